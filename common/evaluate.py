@@ -1,0 +1,141 @@
+"""Held-out evaluation: mean@n, unbiased pass@k, response length and truncation rate.
+
+The evaluation protocol (template, temperature, top_p, max new tokens, n, k, problem count) is the
+``EvalConfig`` below and nowhere else; every script embeds it as ``--eval.*`` flags and writes it into
+``config.json``, so every result states how it was measured.
+
+    python -m common.evaluate --model runs/grpo__arith__1/final --dataset arith --eval.n 8 --eval.k 1 8
+
+pass@k uses the unbiased estimator of Chen et al. 2021 (Codex, eq. 1): with n samples of which c are
+correct, pass@k = 1 - C(n-c, k) / C(n, k), averaged over problems. mean@n is the mean correctness of the
+n samples (pass@1 estimated from n samples). "greedy" is one temperature-0 sample per problem.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from tqdm.auto import tqdm
+
+
+@dataclass
+class EvalConfig:
+    """The evaluation protocol (``--eval.*`` flags)."""
+
+    dataset: str = ""
+    """held-out dataset ('' = the training dataset's held-out split)"""
+    template: str = ""
+    """prompt template ('' = the dataset's default)"""
+    n: int = 4
+    """samples per problem for mean@n and pass@k"""
+    k: tuple[int, ...] = (1, 4)
+    """k values for pass@k (each <= n)"""
+    temperature: float = 1.0
+    """sampling temperature of the n samples"""
+    top_p: float = 1.0
+    """nucleus sampling threshold of the n samples"""
+    max_new_tokens: int = 0
+    """token budget per completion (0 = the training max_new_tokens)"""
+    max_problems: int = 200
+    """evaluate on at most this many problems (0 = all), always the first ones, so runs compare"""
+    greedy: bool = True
+    """also score one greedy (temperature 0) completion per problem"""
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k from ``n`` samples with ``c`` correct: 1 - C(n-c, k) / C(n, k)."""
+    if not 0 <= c <= n:
+        raise ValueError(f"pass_at_k: need 0 <= c <= n, got n={n}, c={c}")
+    if not 1 <= k <= n:
+        raise ValueError(f"pass_at_k: need 1 <= k <= n, got n={n}, k={k}")
+    if n - c < k:
+        return 1.0
+    # C(n-c, k) / C(n, k) = prod_{i=n-c+1}^{n} (1 - k / i), stable for large n
+    return 1.0 - math.prod(1.0 - k / i for i in range(n - c + 1, n + 1))
+
+
+def score_groups(correct: list[bool], n: int, ks: tuple[int, ...]) -> dict[str, float]:
+    """mean@n and pass@k from a flat correctness list grouped n per problem."""
+    if len(correct) % n:
+        raise ValueError(f"{len(correct)} results do not split into groups of n={n}")
+    groups = [correct[i : i + n] for i in range(0, len(correct), n)]
+    out = {f"mean@{n}": sum(correct) / len(correct)}
+    for k in ks:
+        out[f"pass@{k}"] = sum(pass_at_k(n, sum(g), k) for g in groups) / len(groups)
+    return out
+
+
+def evaluate(engine, tokenizer, problems: list[dict], reward_fn, template: str, cfg: EvalConfig, seed: int, name: str) -> dict[str, float]:
+    """Generate on ``problems`` with ``engine`` and return ``eval/<name>/...`` metrics.
+
+    ``reward_fn(completion_text, gold) -> RewardOutput`` decides correctness (``.correct``).
+    """
+    from common.data import format_prompt
+
+    if cfg.max_problems:
+        problems = problems[: cfg.max_problems]
+    if cfg.max_new_tokens <= 0:
+        raise ValueError("evaluate: cfg.max_new_tokens must be resolved to a positive budget by the caller")
+    if any(k > cfg.n for k in cfg.k):
+        raise ValueError(f"--eval.k {cfg.k}: every k must be <= --eval.n {cfg.n}")
+    prompt_ids = [tokenizer(format_prompt(p["prompt"], template, tokenizer))["input_ids"] for p in problems]
+    metrics: dict[str, float] = {}
+    passes = [("sampled", cfg.n, cfg.temperature)] + ([("greedy", 1, 0.0)] if cfg.greedy else [])
+    for kind, n, temperature in tqdm(passes, desc=f"eval {name}", leave=False, disable=None):
+        completions = engine.generate(prompt_ids, n, cfg.max_new_tokens, temperature, cfg.top_p, seed)
+        texts = tokenizer.batch_decode([c.token_ids for c in completions], skip_special_tokens=True)
+        golds = [p["answer"] for p in problems for _ in range(n)]
+        correct = [reward_fn(t, g).correct for t, g in zip(texts, golds)]
+        if kind == "greedy":
+            metrics[f"eval/{name}/greedy"] = sum(correct) / len(correct)
+            continue
+        metrics.update({f"eval/{name}/{key}": value for key, value in score_groups(correct, n, cfg.k).items()})
+        metrics[f"eval/{name}/response_len"] = sum(len(c.token_ids) for c in completions) / len(completions)
+        metrics[f"eval/{name}/truncation_rate"] = sum(c.finish_reason == "length" for c in completions) / len(completions)
+    return metrics
+
+
+@dataclass
+class EvalArgs:
+    """Evaluate a saved model (``python -m common.evaluate``)."""
+
+    model: str = "tiny"
+    """model folder or hub id ('tiny' = the shipped offline model)"""
+    dataset: str = "arith"
+    """dataset name (see common/data.py) or jsonl:<path>"""
+    split: str = ""
+    """split to evaluate ('' = the dataset's held-out split)"""
+    eval: EvalConfig = field(default_factory=lambda: EvalConfig(max_new_tokens=64))
+    """the evaluation protocol"""
+    seed: int = 0
+    """sampling seed"""
+    device: str = "auto"
+    """'auto', 'cpu' or 'cuda'"""
+
+
+def main() -> None:
+    import json
+
+    import torch
+    import tyro
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from common.data import dataset_info, load_problems, resolve_model_path
+    from common.rollout import HFEngine
+    from common.verifiers import get_reward_fn
+
+    args = tyro.cli(EvalArgs)
+    device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
+    path = resolve_model_path(args.model)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path).to(device)
+    info = dataset_info(args.dataset)
+    problems = load_problems(args.dataset, args.split or info.eval_split)
+    template = args.eval.template or info.default_template
+    metrics = evaluate(HFEngine(model, tokenizer), tokenizer, problems, get_reward_fn(info.reward_fn), template, args.eval, args.seed, args.dataset)
+    print(json.dumps({"model": args.model, "dataset": args.dataset, "protocol": vars(args.eval), **metrics}, default=list))
+
+
+if __name__ == "__main__":
+    main()

