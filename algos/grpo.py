@@ -34,6 +34,7 @@ import json
 import math
 import os
 import resource
+import signal
 import sys
 import time
 from dataclasses import dataclass, field
@@ -298,6 +299,9 @@ def main() -> None:
             save_checkpoint(run_dir, step, state, keep_last=args.keep_checkpoints)
         accelerator.wait_for_everyone()
 
+    stop_signal: list[int] = []  # SIGTERM / SIGINT: finish the current step, checkpoint, exit
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda signum, frame: stop_signal.append(signum) if not stop_signal else sys.exit(128 + signum))
     first_eval = run_eval(start_step) if start_step == 0 else {}
     last_eval, bad_steps, t_start = first_eval, 0, time.time()
     progress = tqdm(range(start_step, args.total_steps), initial=start_step, total=args.total_steps, desc=args.exp_name, disable=not accelerator.is_main_process)
@@ -432,8 +436,11 @@ def main() -> None:
             last_eval = run_eval(step + 1)
             if accelerator.is_main_process:
                 progress.write(f"step {step + 1}: " + "  ".join(f"{k.split('/')[-1]} {v:.3f}" for k, v in last_eval.items() if not k.startswith("time")))
-        if (step + 1) % args.save_every == 0 or step + 1 == args.total_steps:
+        if (step + 1) % args.save_every == 0 or step + 1 == args.total_steps or stop_signal:
             checkpoint(step + 1)
+        if stop_signal:
+            tracker.close()
+            raise SystemExit(f"stopped by signal {stop_signal[0]} after step {step + 1}; checkpoint saved, continue with --resume")
 
     # SHARED: final model and one summary line (read by benchmarks/collect.py)
     if accelerator.is_main_process:

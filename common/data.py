@@ -15,18 +15,18 @@ solution ``4+7=11;11-2=9;\\boxed{9}``. Its held-out split is disjoint from its t
 
 Hub datasets (need ``datasets`` and hub access or a warm HF cache; all scored with the ``math`` reward):
 
-    name          hub id (config)                              splits (ours -> hub)        gold answer
-    gsm8k         openai/gsm8k (main)                          train, test                 text after ``####``
-    math          DigitalLearningGmbH/MATH-lighteval           train, test                 last ``\\boxed{}`` of solution
-    math500       HuggingFaceH4/MATH-500                       test                        ``answer`` column
-    aime24        HuggingFaceH4/aime_2024                      test -> train (30 rows)     ``answer`` column
-    aime25        math-ai/aime25                               test (30 rows, I + II)      ``answer`` column
-    dapo17k       open-r1/DAPO-Math-17k-Processed (all)        train (17,398, de-duplicated) ``solution`` column
-    openr1-luffy  Elliott/Openr1-Math-46k-8192                 train                       reward_model.ground_truth
-    eurus2-rl     PRIME-RL/Eurus-2-RL-Data (ability == math)   train, validation           reward_model.ground_truth
+    name          hub id (config)                             splits: ours (-> hub)      gold answer
+    gsm8k         openai/gsm8k (main)                         train, test                text after ``####``
+    math          DigitalLearningGmbH/MATH-lighteval          train, test                last ``\\boxed{}`` of solution
+    math500       HuggingFaceH4/MATH-500                      test                       ``answer`` column
+    aime24        HuggingFaceH4/aime_2024                     test (-> train), 30 rows   ``answer`` column
+    aime25        math-ai/aime25                              test, 30 rows (I + II)     ``answer`` column
+    dapo17k       open-r1/DAPO-Math-17k-Processed (all)       train, 17,398 de-duped     ``solution`` column
+    openr1-luffy  Elliott/Openr1-Math-46k-8192                train                      reward_model.ground_truth
+    eurus2-rl     PRIME-RL/Eurus-2-RL-Data (ability == math)  train, validation          reward_model.ground_truth
 
-``math:3-5`` (or ``math:5``, ``math500:1,2``) keeps only those MATH difficulty levels; ``math:3-5`` is
-the Dr. GRPO / oat training set. Each hub row goes through a small pure mapper (``gsm8k_row``, ...)
+``math:3-5`` (or ``math:5``, ``math500:1,2``) keeps only those MATH difficulty levels (levels 3-5 are
+what the Dr. GRPO / oat recipe trains on). Each hub row goes through a small pure mapper (``gsm8k_row``, ...)
 that raises ``ValueError`` naming the dataset, the hub row index and the field when a row is malformed.
 For ``openr1-luffy`` the ``solution`` is the DeepSeek-R1 teacher trace, kept verbatim; pass it
 through ``teacher_completion`` with the rendered prompt to drop a ``<think>`` the prompt already ends with.

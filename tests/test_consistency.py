@@ -1,0 +1,57 @@
+"""Guards on the duplicated plumbing: every script shares grpo.py's flags, exposes the functions the
+design names, documents its delta, stays under the size cap, and imports without vLLM."""
+
+import dataclasses
+import sys
+
+import pytest
+
+from conftest import REPO, load_algo
+
+SCRIPTS = sorted(p.stem for p in (REPO / "algos").glob("*.py"))
+ALGO_FIELDS = {"clip_eps", "kl_coef"}  # grpo's own algorithm hyperparameters; the rest is shared
+REQUIRED_FUNCTIONS = {
+    "ppo": ["compute_gae", "value_loss", "policy_loss"],
+    "prime": ["implicit_process_rewards", "prm_loss", "compute_advantages", "policy_loss"],
+    "dapo": ["compute_advantages", "policy_loss", "overlong_penalty"],
+}
+PARENTS = {"grpo", "ppo"}
+
+
+def fields(module) -> dict[str, dataclasses.Field]:
+    return {f.name: f for f in dataclasses.fields(module.Args)}
+
+
+def default(f: dataclasses.Field):
+    return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_shared_flags_match_grpo(script):
+    reference = fields(load_algo("grpo"))
+    mine = fields(load_algo(script))
+    for name, f in reference.items():
+        if name in ALGO_FIELDS or name == "exp_name":
+            continue
+        assert name in mine, f"{script}.py lacks the shared flag {name!r}"
+        if name in ("total_steps", "group_size", "num_minibatches", "num_epochs", "learning_rate", "warmup_steps"):
+            continue  # algorithms may choose their paper's value for these (documented in their Args)
+        assert default(mine[name]) == default(f), f"{script}.py: default of {name!r} differs from grpo.py"
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_required_functions_and_docstring(script):
+    module = load_algo(script)
+    for fn in REQUIRED_FUNCTIONS.get(script, ["compute_advantages", "policy_loss"]):
+        assert callable(getattr(module, fn, None)), f"{script}.py must define {fn}()"
+    doc = module.__doc__ or ""
+    assert "arXiv" in doc or "http" in doc, f"{script}.py docstring must cite its paper"
+    if script not in PARENTS:
+        assert "Relative to" in doc, f"{script}.py docstring must list its delta ('Relative to grpo.py ...')"
+    assert "vllm" not in sys.modules
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_size_cap(script):
+    lines = (REPO / "algos" / f"{script}.py").read_text().count("\n")
+    assert lines <= 600, f"{script}.py has {lines} lines (cap 600)"
