@@ -52,7 +52,7 @@ from common.data import dataset_info, format_prompt, load_problems, prompt_batch
 from common.evaluate import EvalConfig, evaluate  # noqa: E402
 from common.rollout import RolloutConfig, left_pad, make_engine  # noqa: E402
 from common.tracking import Tracker, latest_checkpoint, load_checkpoint, rng_state, save_checkpoint, seed_everything, set_rng_state  # noqa: E402
-from common.verifiers import get_reward_fn  # noqa: E402
+from common.verifiers import compute_rewards  # noqa: E402
 
 
 @dataclass
@@ -241,7 +241,6 @@ def main() -> None:
     eval_name = args.eval.dataset or args.dataset
     eval_info = dataset_info(eval_name)
     eval_problems = load_problems(eval_name, eval_info.eval_split)
-    reward_fn, eval_reward_fn = get_reward_fn(info.reward_fn), get_reward_fn(eval_info.reward_fn)
     template = args.template or info.default_template
     eval_template = args.eval.template or eval_info.default_template
     eval_cfg = dataclasses.replace(args.eval, max_new_tokens=args.eval.max_new_tokens or args.max_new_tokens)
@@ -286,7 +285,7 @@ def main() -> None:
         t0 = time.time()
         metrics = {}
         if accelerator.is_main_process:
-            metrics = evaluate(engine, tokenizer, eval_problems, eval_reward_fn, eval_template, eval_cfg, seed=12345, name=eval_name)
+            metrics = evaluate(engine, tokenizer, eval_problems, eval_info.reward_fn, eval_template, eval_cfg, seed=12345, name=eval_name)
             metrics["time/eval_s"] = time.time() - t0
             tracker.log(metrics, step)
         accelerator.wait_for_everyone()
@@ -324,7 +323,7 @@ def main() -> None:
         t0 = time.time()
         texts = tokenizer.batch_decode([c.token_ids for c in completions], skip_special_tokens=True)
         golds = [p["answer"] for p in problems for _ in range(args.group_size)]
-        outputs = [reward_fn(t, g) for t, g in zip(texts, golds)]
+        outputs = compute_rewards(info.reward_fn, texts, golds)
         rewards = torch.tensor([o.reward for o in outputs], dtype=torch.float32)
         correct = torch.tensor([o.correct for o in outputs], dtype=torch.float32)
         reward_s = time.time() - t0

@@ -66,12 +66,13 @@ def score_groups(correct: list[bool], n: int, ks: tuple[int, ...]) -> dict[str, 
     return out
 
 
-def evaluate(engine, tokenizer, problems: list[dict], reward_fn, template: str, cfg: EvalConfig, seed: int, name: str) -> dict[str, float]:
+def evaluate(engine, tokenizer, problems: list[dict], reward_fn: str, template: str, cfg: EvalConfig, seed: int, name: str) -> dict[str, float]:
     """Generate on ``problems`` with ``engine`` and return ``eval/<name>/...`` metrics.
 
-    ``reward_fn(completion_text, gold) -> RewardOutput`` decides correctness (``.correct``).
+    ``reward_fn`` names the verifier (a key of ``common.verifiers.REWARD_FNS``) that decides correctness.
     """
     from common.data import format_prompt
+    from common.verifiers import compute_rewards
 
     if cfg.max_problems:
         problems = problems[: cfg.max_problems]
@@ -86,7 +87,7 @@ def evaluate(engine, tokenizer, problems: list[dict], reward_fn, template: str, 
         completions = engine.generate(prompt_ids, n, cfg.max_new_tokens, temperature, cfg.top_p, seed)
         texts = tokenizer.batch_decode([c.token_ids for c in completions], skip_special_tokens=True)
         golds = [p["answer"] for p in problems for _ in range(n)]
-        correct = [reward_fn(t, g).correct for t, g in zip(texts, golds)]
+        correct = [r.correct for r in compute_rewards(reward_fn, texts, golds)]
         if kind == "greedy":
             metrics[f"eval/{name}/greedy"] = sum(correct) / len(correct)
             continue
@@ -123,8 +124,7 @@ def main() -> None:
 
     from common.data import dataset_info, load_problems, resolve_model_path
     from common.rollout import HFEngine
-    from common.verifiers import get_reward_fn
-
+    
     args = tyro.cli(EvalArgs)
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
     path = resolve_model_path(args.model)
@@ -133,7 +133,7 @@ def main() -> None:
     info = dataset_info(args.dataset)
     problems = load_problems(args.dataset, args.split or info.eval_split)
     template = args.eval.template or info.default_template
-    metrics = evaluate(HFEngine(model, tokenizer), tokenizer, problems, get_reward_fn(info.reward_fn), template, args.eval, args.seed, args.dataset)
+    metrics = evaluate(HFEngine(model, tokenizer), tokenizer, problems, info.reward_fn, template, args.eval, args.seed, args.dataset)
     print(json.dumps({"model": args.model, "dataset": args.dataset, "protocol": vars(args.eval), **metrics}, default=list))
 
 

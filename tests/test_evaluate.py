@@ -1,0 +1,78 @@
+"""pass@k against brute-force enumeration, mean@n, and the evaluation loop on a scripted engine."""
+
+import itertools
+import json
+import subprocess
+import sys
+
+import pytest
+from transformers import AutoTokenizer
+
+from common.data import TINY_MODEL_DIR
+from common.evaluate import EvalConfig, evaluate, pass_at_k, score_groups
+from common.rollout import Completion
+from conftest import REPO
+
+
+@pytest.mark.parametrize("n", [1, 2, 5, 7])
+def test_pass_at_k_equals_enumeration(n):
+    for c in range(n + 1):
+        for k in range(1, n + 1):
+            outcomes = [True] * c + [False] * (n - c)
+            subsets = list(itertools.combinations(range(n), k))
+            brute = sum(any(outcomes[i] for i in s) for s in subsets) / len(subsets)
+            assert pass_at_k(n, c, k) == pytest.approx(brute, abs=1e-12)
+
+
+def test_pass_at_k_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="k <= n"):
+        pass_at_k(4, 1, 5)
+    with pytest.raises(ValueError, match="c <= n"):
+        pass_at_k(4, 5, 1)
+
+
+def test_score_groups():
+    scores = score_groups([True, False, False, False, True, True, False, False], n=4, ks=(1, 2))
+    assert scores["mean@4"] == pytest.approx(3 / 8)
+    assert scores["pass@1"] == pytest.approx(3 / 8)
+    assert scores["pass@2"] == pytest.approx((0.5 + (1 - 1 / 6)) / 2)  # 1 - C(3,2)/C(4,2), 1 - C(2,2)/C(4,2)
+    with pytest.raises(ValueError, match="groups of n=4"):
+        score_groups([True] * 6, n=4, ks=(1,))
+
+
+class ScriptedEngine:
+    """Answers problem i correctly on the first ``right[i]`` of its n samples; greedy is always right."""
+
+    def __init__(self, tokenizer, answers, right):
+        self.tok, self.answers, self.right = tokenizer, answers, right
+
+    def generate(self, prompt_ids, n, max_new_tokens, temperature, top_p, seed):
+        out = []
+        for i in range(len(prompt_ids)):
+            for j in range(n):
+                ok = temperature == 0 or j < self.right[i]
+                text = f"\\boxed{{{self.answers[i] if ok else 'x'}}}"
+                ids = self.tok(text)["input_ids"] + ([self.tok.eos_token_id] if j % 2 == 0 else [])
+                out.append(Completion(ids, [0.0] * len(ids), "stop" if j % 2 == 0 else "length"))
+        return out
+
+
+def test_evaluate_scores_what_the_engine_returns():
+    tok = AutoTokenizer.from_pretrained(TINY_MODEL_DIR)
+    problems = [{"prompt": f"{i}+0=?", "answer": str(i), "solution": ""} for i in range(3)]
+    engine = ScriptedEngine(tok, ["0", "1", "2"], right=[4, 1, 0])
+    cfg = EvalConfig(n=4, k=(1, 4), max_new_tokens=8)
+    m = evaluate(engine, tok, problems, "exact", "chat", cfg, seed=0, name="toy")
+    assert m["eval/toy/mean@4"] == pytest.approx(5 / 12)
+    assert m["eval/toy/pass@4"] == pytest.approx(2 / 3)
+    assert m["eval/toy/greedy"] == 1.0
+    assert m["eval/toy/truncation_rate"] == 0.5
+
+
+def test_evaluate_cli_on_the_shipped_model():
+    cmd = [sys.executable, "-m", "common.evaluate", "--dataset", "arith", "--eval.n", "2", "--eval.k", "1", "2", "--eval.max-problems", "10"]
+    result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    record = json.loads(result.stdout.strip().splitlines()[-1])
+    assert 0.0 <= record["eval/arith/mean@2"] <= record["eval/arith/pass@2"] <= 1.0
+    assert record["protocol"]["n"] == 2
