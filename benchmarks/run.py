@@ -60,7 +60,8 @@ def expand(suite_name: str, suite: dict, seeds: list[int] | None, only: list[str
         python = str(REPO / entry["python"]) if "python" in entry else sys.executable
         for seed in seeds or entry.get("seeds", suite["seeds"]):
             run_dir = output_root / suite_name / f"{label}__{seed}"
-            cmd = [python, str(script), "--seed", str(seed), "--output-dir", str(run_dir.parent), "--run-name", run_dir.name]
+            prefix = list(suite.get("launcher", [python]))  # e.g. ["accelerate", "launch", "--num_processes", "8"]
+            cmd = [*prefix, str(script), "--seed", str(seed), "--output-dir", str(run_dir.parent), "--run-name", run_dir.name]
             runs.append(Run(label, seed, cmd + list(suite.get("flags", [])) + list(entry.get("flags", [])), run_dir))
     return runs
 
@@ -70,7 +71,7 @@ def done(run: Run) -> bool:
     return record.exists() and json.loads(record.read_text()).get("exit_code") == 0
 
 
-def execute(run: Run, threads: int, git: dict) -> dict:
+def execute(run: Run, threads: int, git: dict, final_eval: list[str]) -> dict:
     """Run one command to completion, logging its output to run_dir/stdout.log."""
     shutil.rmtree(run.run_dir, ignore_errors=True)  # a failed or --rerun attempt: start clean, never half-resume
     run.run_dir.mkdir(parents=True, exist_ok=True)
@@ -78,6 +79,9 @@ def execute(run: Run, threads: int, git: dict) -> dict:
     start = time.time()
     with open(run.run_dir / "stdout.log", "w") as log:
         code = subprocess.run(run.command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO).returncode
+    for dataset in final_eval if code == 0 else []:  # the final model on further held-out sets
+        with open(run.run_dir / "final_eval.jsonl", "a") as out:
+            code = subprocess.run([sys.executable, "-m", "common.evaluate", "--model", str(run.run_dir / "final"), "--dataset", dataset], stdout=out, env=env, cwd=REPO).returncode
     record = {
         "label": run.label, "seed": run.seed, "command": shlex.join(run.command), "threads": threads,
         **git, "start": start, "end": time.time(), "wall_s": time.time() - start, "exit_code": code,
@@ -100,8 +104,7 @@ def main() -> None:
     suite = load_suite(args.suite)
     runs = expand(args.suite, suite, args.seeds, args.only, Path(args.output_root))
     if args.dry_run:
-        for run in runs:
-            print(shlex.join(run.command))
+        print("\n".join(shlex.join(run.command) for run in runs))
         return
     todo = [r for r in runs if args.rerun or not done(r)]
     jobs = max(1, args.jobs or suite.get("jobs", 1))
@@ -110,7 +113,7 @@ def main() -> None:
     print(f"suite {args.suite}: {len(runs)} runs, {len(runs) - len(todo)} already done, {len(todo)} to run; {jobs} at a time x {threads} threads; commit {str(git['git_commit'])[:10]}{' (dirty)' if git['git_dirty'] else ''}")
     failures = []
     with ThreadPoolExecutor(jobs) as pool, tqdm(total=len(todo), desc=args.suite, unit="run") as bar:
-        futures = {pool.submit(execute, run, threads, git): run for run in todo}
+        futures = {pool.submit(execute, run, threads, git, suite.get("final_eval", [])): run for run in todo}
         for future in as_completed(futures):
             record = future.result()
             status = "ok" if record["exit_code"] == 0 else f"FAILED (exit {record['exit_code']}, see {futures[future].run_dir}/stdout.log)"
