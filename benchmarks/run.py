@@ -71,7 +71,7 @@ def done(run: Run) -> bool:
     return record.exists() and json.loads(record.read_text()).get("exit_code") == 0
 
 
-def execute(run: Run, threads: int, git: dict, final_eval: list[str]) -> dict:
+def execute(run: Run, threads: int, git: dict, final_eval: list[str], final_eval_flags: list[str]) -> dict:
     """Run one command to completion, logging its output to run_dir/stdout.log."""
     shutil.rmtree(run.run_dir, ignore_errors=True)  # a failed or --rerun attempt: start clean, never half-resume
     run.run_dir.mkdir(parents=True, exist_ok=True)
@@ -81,7 +81,7 @@ def execute(run: Run, threads: int, git: dict, final_eval: list[str]) -> dict:
         code = subprocess.run(run.command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO).returncode
     for dataset in final_eval if code == 0 else []:  # the final model on further held-out sets
         with open(run.run_dir / "final_eval.jsonl", "a") as out:
-            code = subprocess.run([sys.executable, "-m", "common.evaluate", "--model", str(run.run_dir / "final"), "--dataset", dataset], stdout=out, env=env, cwd=REPO).returncode
+            code = subprocess.run([sys.executable, "-m", "common.evaluate", "--model", str(run.run_dir / "final"), "--dataset", dataset, *final_eval_flags], stdout=out, env=env, cwd=REPO).returncode
     record = {
         "label": run.label, "seed": run.seed, "command": shlex.join(run.command), "threads": threads,
         **git, "start": start, "end": time.time(), "wall_s": time.time() - start, "exit_code": code,
@@ -113,7 +113,7 @@ def main() -> None:
     print(f"suite {args.suite}: {len(runs)} runs, {len(runs) - len(todo)} already done, {len(todo)} to run; {jobs} at a time x {threads} threads; commit {str(git['git_commit'])[:10]}{' (dirty)' if git['git_dirty'] else ''}")
     failures = []
     with ThreadPoolExecutor(jobs) as pool, tqdm(total=len(todo), desc=args.suite, unit="run") as bar:
-        futures = {pool.submit(execute, run, threads, git, suite.get("final_eval", [])): run for run in todo}
+        futures = {pool.submit(execute, run, threads, git, suite.get("final_eval", []), suite.get("final_eval_flags", [])): run for run in todo}
         for future in as_completed(futures):
             record = future.result()
             status = "ok" if record["exit_code"] == 0 else f"FAILED (exit {record['exit_code']}, see {futures[future].run_dir}/stdout.log)"

