@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 
 from tqdm.auto import tqdm
 
+from common.rollout import RolloutConfig
+
 
 @dataclass
 class EvalConfig:
@@ -113,6 +115,8 @@ class EvalArgs:
     """sampling seed"""
     device: str = "auto"
     """'auto', 'cpu' or 'cuda'"""
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """generation engine ('auto' = vLLM on a CUDA machine with vllm installed, else Hugging Face)"""
 
 
 def main() -> None:
@@ -123,8 +127,8 @@ def main() -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from common.data import dataset_info, load_problems, resolve_model_path
-    from common.rollout import HFEngine
-    
+    from common.rollout import make_engine
+
     args = tyro.cli(EvalArgs)
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
     path = resolve_model_path(args.model)
@@ -133,7 +137,8 @@ def main() -> None:
     info = dataset_info(args.dataset)
     problems = load_problems(args.dataset, args.split or info.eval_split)
     template = args.eval.template or info.default_template
-    metrics = evaluate(HFEngine(model, tokenizer), tokenizer, problems, info.reward_fn, template, args.eval, args.seed, args.dataset)
+    engine = make_engine(args.rollout, model, tokenizer, path, args.seed, max_model_len=4096 + args.eval.max_new_tokens)
+    metrics = evaluate(engine, tokenizer, problems, info.reward_fn, template, args.eval, args.seed, args.dataset)
     print(json.dumps({"model": args.model, "dataset": args.dataset, "protocol": vars(args.eval), **metrics}, default=list))
 
 
