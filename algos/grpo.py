@@ -223,6 +223,7 @@ def main() -> None:
     rank, world = accelerator.process_index, accelerator.num_processes
     if args.prompts_per_step % world:
         raise SystemExit(f"--prompts-per-step {args.prompts_per_step} must be divisible by the number of processes ({world})")
+    compute_advantages(torch.zeros(2 * args.group_size), args.group_size)  # fail fast on a group size the method rejects
     local_prompts = args.prompts_per_step // world
     batch_size = local_prompts * args.group_size  # sequences per rank per step
     if batch_size % args.num_minibatches:

@@ -1,0 +1,113 @@
+"""Faults: a killed run resumes to exactly the uninterrupted run; SIGTERM checkpoints; non-finite losses
+never reach the optimiser; bad flags fail before training with a message that names the problem."""
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import REPO, load_algo
+from test_scripts import SMALL, read_metrics, run
+
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "2"}
+
+
+def start(out_dir, *flags):
+    cmd = [sys.executable, str(REPO / "algos" / "grpo.py"), "--output-dir", str(out_dir), *SMALL, *flags]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+
+
+def wait_for_step(run_dir, step, proc, timeout=300):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        path = run_dir / "metrics.jsonl"
+        if path.exists() and any(json.loads(line)["step"] >= step and "train/reward" in line for line in path.read_text().splitlines() if line):
+            return
+        assert proc.poll() is None, proc.communicate()[1][-2000:]
+        time.sleep(0.2)
+    raise TimeoutError(f"step {step} not reached")
+
+
+def test_sigkill_then_resume_reproduces_the_uninterrupted_run(tmp_path):
+    run("grpo", tmp_path, "--run-name", "full", "--total-steps", "4", "--eval-every", "10")
+    proc = start(tmp_path, "--run-name", "killed", "--total-steps", "4", "--eval-every", "10")
+    wait_for_step(tmp_path / "killed", 2, proc)
+    proc.send_signal(signal.SIGKILL)  # no chance to clean up: at most the steps since the last checkpoint are lost
+    proc.wait()
+    run("grpo", tmp_path, "--run-name", "killed", "--total-steps", "4", "--eval-every", "10", "--resume")
+    full = [r for r in read_metrics(tmp_path / "full") if "train/reward" in r]
+    resumed = [r for r in read_metrics(tmp_path / "killed") if "train/reward" in r]
+    assert [r["step"] for r in resumed] == [1, 2, 3, 4]
+    for a, b in zip(full, resumed):
+        for key in ("train/reward", "train/accuracy", "train/response_len"):
+            assert a[key] == b[key], (a["step"], key)
+        assert a["train/loss"] == pytest.approx(b["train/loss"], abs=1e-6)
+    final_a = load_file(tmp_path / "full" / "final" / "model.safetensors")
+    final_b = load_file(tmp_path / "killed" / "final" / "model.safetensors")
+    assert max((final_a[k] - final_b[k]).abs().max().item() for k in final_a) < 1e-5
+
+
+def test_sigterm_writes_a_checkpoint_and_exits(tmp_path):
+    proc = start(tmp_path, "--run-name", "term", "--total-steps", "50", "--save-every", "100", "--eval-every", "100")
+    wait_for_step(tmp_path / "term", 1, proc)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode != 0 and "checkpoint saved" in err
+    saved = sorted((tmp_path / "term" / "checkpoints").glob("step_*"))
+    assert saved and int(saved[-1].name.split("_")[1]) >= 1  # save_every 100 would never have saved
+
+
+def run_in_process(module, monkeypatch, tmp_path, *flags):
+    argv = ["grpo.py", "--output-dir", str(tmp_path), *SMALL, "--eval-every", "100", *flags]
+    monkeypatch.setattr(sys, "argv", argv)
+    module.main()
+
+
+def test_nonfinite_loss_never_reaches_the_weights(tmp_path, monkeypatch):
+    grpo = load_algo("grpo")
+    real_loss, calls = grpo.policy_loss, {"n": 0}
+
+    def poisoned(*args, **kwargs):  # NaN on every micro-batch of the second optimiser step
+        calls["n"] += 1
+        loss, metrics = real_loss(*args, **kwargs)
+        return (loss * float("nan"), metrics) if calls["n"] in (2,) else (loss, metrics)
+
+    monkeypatch.setattr(grpo, "policy_loss", poisoned)
+    run_in_process(grpo, monkeypatch, tmp_path, "--run-name", "nan", "--total-steps", "3", "--micro-batch-size", "16")
+    rows = [r for r in read_metrics(tmp_path / "nan") if "train/reward" in r]
+    assert [r["train/skipped_updates"] for r in rows] == [0.0, 1.0, 0.0]
+    weights = load_file(tmp_path / "nan" / "final" / "model.safetensors")
+    assert all(torch.isfinite(v).all() for v in weights.values())
+
+
+def test_consecutive_nonfinite_steps_abort_with_a_message(tmp_path, monkeypatch):
+    grpo = load_algo("grpo")
+    monkeypatch.setattr(grpo, "policy_loss", lambda *a, **k: (a[0].sum() * float("inf"), {}))
+    with pytest.raises(SystemExit, match="consecutive updates with a non-finite loss"):
+        run_in_process(grpo, monkeypatch, tmp_path, "--run-name", "inf", "--total-steps", "5", "--max-bad-steps", "2", "--micro-batch-size", "16")
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--dataset", "gsm9k"], "unknown dataset 'gsm9k'"),
+        (["--template", "chatml"], "unknown template 'chatml'"),
+        (["--model", "./no/such/model", "--learning-rate", "1e-6"], "no such local path"),
+        (["--prompts-per-step", "6", "--group-size", "4", "--num-minibatches", "5"], "--num-minibatches 5"),
+        (["--group-size", "1"], "group_size"),
+        (["--temperature", "0"], "--temperature must be > 0"),
+    ],
+)
+def test_bad_flags_fail_with_a_clear_message(tmp_path, flags, message):
+    cmd = [sys.executable, str(REPO / "algos" / "grpo.py"), "--output-dir", str(tmp_path), "--total-steps", "1", *flags]
+    result = subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=300)
+    assert result.returncode != 0
+    assert message in result.stderr + result.stdout, result.stderr[-1500:]
+    assert not list(tmp_path.glob("*/checkpoints/step_*")), "training must not have started"
