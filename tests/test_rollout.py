@@ -1,0 +1,91 @@
+"""The Hugging Face rollout engine: grouping, EOS and finish reasons, per-sample seeds, top-p, and that the
+Gumbel-max sampler draws from softmax(logits / T)."""
+
+import math
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from common.data import TINY_MODEL_DIR, format_prompt
+from common.rollout import HFEngine, RolloutConfig, gumbel_max, make_engine, prompt_seeds, top_p_filter
+
+
+@pytest.fixture(scope="module")
+def engine():
+    tok = AutoTokenizer.from_pretrained(TINY_MODEL_DIR)
+    model = AutoModelForCausalLM.from_pretrained(TINY_MODEL_DIR)
+    return HFEngine(model, tok), tok
+
+
+def prompts(tok, questions=("1+2-3=?", "9-9+9=?", "4+4+4=?")):
+    return [tok(format_prompt(q, "chat", tok))["input_ids"] for q in questions]
+
+
+def test_groups_eos_and_finish_reasons(engine):
+    eng, tok = engine
+    out = eng.generate(prompts(tok), n=4, max_new_tokens=30, temperature=1.0, top_p=1.0, seed=0)
+    assert len(out) == 12
+    for c in out:
+        assert len(c.token_ids) == len(c.logprobs) and all(lp <= 0 for lp in c.logprobs)
+        if c.finish_reason == "stop":
+            assert c.token_ids[-1] == tok.eos_token_id and tok.eos_token_id not in c.token_ids[:-1]
+        else:
+            assert len(c.token_ids) == 30 and tok.eos_token_id not in c.token_ids
+    assert any(c.finish_reason == "stop" for c in out)
+    short = eng.generate(prompts(tok)[:1], n=2, max_new_tokens=3, temperature=1.0, top_p=1.0, seed=0)
+    assert all(c.finish_reason == "length" and len(c.token_ids) == 3 for c in short)
+
+
+def test_samples_do_not_depend_on_batch_composition(engine):
+    eng, tok = engine
+    p = prompts(tok)
+    together = eng.generate(p, n=3, max_new_tokens=20, temperature=1.0, top_p=0.9, seed=[7, 8, 9])
+    alone = eng.generate(p[1:2], n=3, max_new_tokens=20, temperature=1.0, top_p=0.9, seed=[8])
+    assert [c.token_ids for c in together[3:6]] == [c.token_ids for c in alone]
+    for a, b in zip(together[3:6], alone):
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-4)
+    again = eng.generate(p, n=3, max_new_tokens=20, temperature=1.0, top_p=0.9, seed=[7, 8, 9])
+    assert [c.token_ids for c in again] == [c.token_ids for c in together]
+    other = eng.generate(p, n=3, max_new_tokens=20, temperature=1.0, top_p=0.9, seed=[70, 80, 90])
+    assert [c.token_ids for c in other] != [c.token_ids for c in together]
+
+
+def test_greedy_is_the_argmax_path(engine):
+    eng, tok = engine
+    out = eng.generate(prompts(tok)[:1], n=2, max_new_tokens=20, temperature=0.0, top_p=1.0, seed=0)
+    assert out[0].token_ids == out[1].token_ids
+    ids = prompts(tok)[0]
+    with torch.no_grad():
+        for t in out[0].token_ids:
+            assert eng.model(torch.tensor([ids])).logits[0, -1].argmax().item() == t
+            ids = ids + [t]
+
+
+def test_top_p_filter_hand_values():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    kept = torch.isfinite(top_p_filter(logits, 0.7))
+    assert kept.tolist() == [[True, True, False, False]]  # 0.5 < 0.7, 0.5 + 0.3 crosses it
+    assert torch.isfinite(top_p_filter(logits, 0.5)).tolist() == [[True, False, False, False]]
+    shuffled = logits[:, [2, 0, 3, 1]]
+    assert torch.isfinite(top_p_filter(shuffled, 0.7)).tolist() == [[False, True, False, True]]
+    assert torch.equal(top_p_filter(logits, 1.0), logits)
+
+
+def test_gumbel_sampler_matches_softmax_frequencies():
+    """The engine's sampling rule against the softmax it claims to sample."""
+    logits = (torch.tensor([2.0, 1.0, 0.0, -1.0]) / 0.7).expand(200_000, 4)
+    uniform = torch.rand(200_000, 4, generator=torch.Generator().manual_seed(123))
+    draws = gumbel_max(logits, uniform)
+    freq = torch.bincount(draws, minlength=4).float() / len(draws)
+    expected = logits[0].softmax(-1)
+    assert torch.allclose(freq, expected, atol=4 * math.sqrt(0.25 / len(draws)))
+
+
+def test_prompt_seeds_and_backend_choice(engine):
+    assert prompt_seeds([3, 4], 2) == [3, 4]
+    assert prompt_seeds(5, 3) == prompt_seeds(5, 3) and len(set(prompt_seeds(5, 3))) == 3
+    with pytest.raises(ValueError, match="2 seeds for 3 prompts"):
+        prompt_seeds([1, 2], 3)
+    eng, tok = engine
+    assert isinstance(make_engine(RolloutConfig(backend="auto"), eng.model, tok, str(TINY_MODEL_DIR), 0, 64), HFEngine)
