@@ -262,7 +262,7 @@ def main() -> None:
     policy = accelerator.unwrap_model(model)
     engine = make_engine(args.rollout, policy, tokenizer, model_path, args.seed + rank, args.max_prompt_tokens + args.max_new_tokens)
 
-    start_step, cursor = 0, 0
+    start_step, cursor, train_time = 0, 0, 0.0  # train_time: seconds spent in steps, evaluation excluded
     tracker = Tracker(run_dir, args, args.track, args.wandb_project, enabled=accelerator.is_main_process)
     if args.resume and (ckpt := latest_checkpoint(run_dir)) is not None:
         state = load_checkpoint(ckpt)
@@ -270,7 +270,7 @@ def main() -> None:
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
         set_rng_state(state["rng"][rank] if isinstance(state["rng"], list) else state["rng"])
-        start_step, cursor = state["step"], state["cursor"]
+        start_step, cursor, train_time = state["step"], state["cursor"], state["train_time"]
         engine.update_weights(policy)
         tracker.truncate_after(start_step)
         accelerator.print(f"resumed from {ckpt} at step {start_step}")
@@ -295,7 +295,7 @@ def main() -> None:
     def checkpoint(step: int) -> None:
         states = accelerator.gather_for_metrics([rng_state()], use_gather_object=True) if world > 1 else [rng_state()]
         if accelerator.is_main_process:
-            state = {"model": policy.state_dict(), "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "rng": states, "step": step, "cursor": cursor}
+            state = {"model": policy.state_dict(), "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "rng": states, "step": step, "cursor": cursor, "train_time": train_time}
             save_checkpoint(run_dir, step, state, keep_last=args.keep_checkpoints)
         accelerator.wait_for_everyone()
 
@@ -303,7 +303,7 @@ def main() -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, frame: stop_signal.append(signum) if not stop_signal else sys.exit(128 + signum))
     first_eval = run_eval(start_step) if start_step == 0 else {}
-    last_eval, bad_steps, t_start = first_eval, 0, time.time()
+    last_eval, bad_steps = first_eval, 0
     progress = tqdm(range(start_step, args.total_steps), initial=start_step, total=args.total_steps, desc=args.exp_name, disable=not accelerator.is_main_process)
     for step in progress:
         t_step = time.time()
@@ -316,7 +316,9 @@ def main() -> None:
         # 2. rollout: G samples per prompt from the current policy
         t0 = time.time()
         engine.wake()
-        completions = engine.generate(prompt_ids, args.group_size, args.max_new_tokens, args.temperature, args.top_p, seed=(args.seed * 1_000_003 + step) * world + rank)
+        # one seed per prompt from its global position: the same samples on any number of processes and after a resume
+        seeds = [((args.seed * 1_000_003 + step) * args.prompts_per_step + rank * local_prompts + i) * args.group_size for i in range(local_prompts)]
+        completions = engine.generate(prompt_ids, args.group_size, args.max_new_tokens, args.temperature, args.top_p, seed=seeds)
         engine.sleep()
         rollout_s = time.time() - t0
 
@@ -365,7 +367,7 @@ def main() -> None:
         for epoch in range(args.num_epochs):
             order = torch.randperm(batch_size, generator=torch.Generator().manual_seed(args.seed * 7919 + step * 31 + epoch)).to(device)
             for start in range(0, batch_size, minibatch_size):
-                mb_rows = order[start : start + minibatch_size]
+                mb_rows, minibatch_loss = order[start : start + minibatch_size], 0.0
                 for j in range(0, minibatch_size, args.micro_batch_size):
                     rows = mb_rows[j : j + args.micro_batch_size]
                     sync = j + args.micro_batch_size >= minibatch_size
@@ -377,14 +379,15 @@ def main() -> None:
                             kl_coef=args.kl_coef, ref_logprobs=None if ref_logprobs is None else ref_logprobs[rows], num_sequences=minibatch_size,
                         )
                         accelerator.backward(loss)
-                    metrics["loss"] = loss.item()
+                    minibatch_loss += loss.item()
                     metrics["entropy"] = masked_mean(entropy, completion_mask[rows])
                     if epoch == 0 and start == 0:  # sampler vs trainer log-prob gap, on the untouched policy
                         metrics["logprob_gap"] = masked_mean((logprobs.detach() - rollout_logprobs[rows]).abs(), completion_mask[rows])
                     for k, v in metrics.items():
                         step_metrics.setdefault(k, []).append(v)
+                step_metrics.setdefault("loss", []).append(minibatch_loss)
                 grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-                if math.isfinite(float(grad_norm)) and all(math.isfinite(v) for v in step_metrics["loss"]):
+                if math.isfinite(float(grad_norm)) and math.isfinite(minibatch_loss):
                     optimizer.step()
                     bad_steps = 0
                 else:  # a non-finite loss or gradient never reaches the weights
@@ -425,7 +428,8 @@ def main() -> None:
         }
         log = {k: float(v) for k, v in zip(log, accelerator.reduce(torch.tensor(list(log.values()), device=device), "mean").tolist())}
         log["time/step_s"] = time.time() - t_step
-        log["time/elapsed_s"] = time.time() - t_start
+        train_time += log["time/step_s"]
+        log["time/elapsed_s"] = train_time
         log["memory/peak_rss_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6
         tracker.log(log, step + 1)
         tracker.log_samples([{"prompt": problems[i // args.group_size]["prompt"], "completion": texts[i], "answer": golds[i], "reward": float(rewards[i])} for i in range(0, min(batch_size, args.log_samples * args.group_size), args.group_size)], step + 1)
@@ -447,7 +451,7 @@ def main() -> None:
         policy.save_pretrained(run_dir / "final")
         tokenizer.save_pretrained(run_dir / "final")
         key = f"eval/{eval_name}/mean@{eval_cfg.n}"
-        summary = {"run": args.run_name, "steps": args.total_steps, "wall_s": round(time.time() - t_start, 1), "eval_start": first_eval.get(key), "eval_end": last_eval.get(key)}
+        summary = {"run": args.run_name, "steps": args.total_steps, "train_s": round(train_time, 1), "eval_start": first_eval.get(key), "eval_end": last_eval.get(key)}
         print("SUMMARY " + json.dumps(summary))
     tracker.close()
 
