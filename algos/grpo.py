@@ -221,6 +221,7 @@ def main() -> None:
         raise SystemExit("--temperature must be > 0 for training rollouts (log-probs are of logits / temperature)")
     accelerator = Accelerator(cpu=not torch.cuda.is_available())
     rank, world = accelerator.process_index, accelerator.num_processes
+    accelerator.print(f"{world} process(es), {accelerator.distributed_type.value}, device {accelerator.device}")
     if args.prompts_per_step % world:
         raise SystemExit(f"--prompts-per-step {args.prompts_per_step} must be divisible by the number of processes ({world})")
     compute_advantages(torch.zeros(2 * args.group_size), args.group_size)  # fail fast on a group size the method rejects
@@ -258,7 +259,7 @@ def main() -> None:
         ref_model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(device).eval().requires_grad_(False)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, betas=(0.9, args.adam_beta2), weight_decay=args.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(1, args.warmup_steps)))
-    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    model, optimizer = accelerator.prepare(model, optimizer)  # not the scheduler: accelerate would step it once per process
     policy = accelerator.unwrap_model(model)
     engine = make_engine(args.rollout, policy, tokenizer, model_path, args.seed + rank, args.max_prompt_tokens + args.max_new_tokens)
 
