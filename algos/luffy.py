@@ -1,0 +1,544 @@
+"""LUFFY: mixed-policy GRPO with off-policy teacher traces and policy shaping.
+
+Paper: Yan, Li, Hu, Wang, Cui, Qu, Cheng, Zhang 2025, "Learning to Reason under Off-Policy Guidance",
+arXiv 2504.14945 (official code: github.com/ElliottYan/LUFFY, luffy/verl/verl/mix_src/mix_core_alg.py).
+
+For each prompt q, sample G-1 completions o_1..o_{G-1} from π_old and append one off-policy teacher trace
+o_G (the dataset's worked solution, + EOS); score all G with the same verifier (R_i).
+
+    advantage     Â_i = R_i - mean_{j=1..G} R_j                          over the union, teacher included
+                  (--std-normalize: divide by std_j R_j + 1e-6, the paper's text; the released script has no std)
+    on-policy     ℓ_{i,t} = -min(r_{i,t} Â_i, clip(r_{i,t}, 1-ε, 1+ε) Â_i),  r = π_θ/π_old   (i < G)
+    off-policy    ℓ_{G,t} = -Â_G · f(π_θ(o_{G,t} | q, o_{G,<t})),  f(p) = p / (p + γ)   π_φ taken as 1, no clip
+                  ∇ℓ = -Â_G · γ p/(p+γ)² · ∇log p: low-probability teacher tokens keep a large gradient
+    objective     L = Σ_i Σ_t ℓ_{i,t} / Σ_i |o_i|                           token mean over the whole mini-batch
+
+Relative to grpo.py this file changes:
+  * sampling: G-1 on-policy samples per prompt plus the dataset's `solution` as a teacher completion
+    (`teacher_completions`: tokenised + EOS, truncated to max_new_tokens), scored by the same verifier
+  * advantages: R - mean over the union, no std by default (`--std-normalize` for the paper's text)
+  * loss: teacher tokens use -A·f(π_θ) with f(p) = p/(p+γ), unclipped (`--no-shaping`: f(p) = p);
+    on-policy tokens keep the PPO clip (`--no-on-policy-clip`: plain ratio, as LUFFY's train.sh)
+  * aggregation: token mean over the mini-batch instead of the per-sequence mean; no KL (β = 0)
+  * logging: on-policy reward/accuracy/entropy, teacher reward, teacher-token entropy and mean f-weight
+
+Sources disagree; we follow design.md §4: advantages without std (the script's `grpo_use_std=False`), PPO
+clip on on-policy tokens (train.sh removes it: `--no-on-policy-clip`), token mean (train.sh divides by the
+padded length), no entropy bonus (train.sh: 0.001).
+
+CPU, offline (the defaults: the shipped tiny model on `arith`, teacher = the task's worked solutions):
+    python algos/luffy.py
+The teacher's effect: `arith-hard` has 4 operands where the warm start saw 3 (sampled accuracy ~3%). Measured
+(2-core CPU, seed 1, held-out mean@4 on 100 problems, step 0 -> 40): GRPO 0.030 -> 0.038, LUFFY 0.035 -> 0.098:
+    python algos/luffy.py --dataset arith-hard --total-steps 40 --eval-every 20 --eval.max-problems 100
+    python algos/grpo.py --dataset arith-hard --total-steps 40 --eval-every 20 --eval.max-problems 100
+GPU, one process (paper: Qwen2.5-Math-7B with a 16k context, OpenR1 traces, lr 1e-6, 128 prompts x (7+1), 8k tokens,
+2 updates per batch; add --no-on-policy-clip to match the released train.sh):
+    python algos/luffy.py --model Elliott/Qwen2.5-Math-7B-16k-think --dataset openr1-luffy --template qwen-math \
+        --rollout.backend vllm --learning-rate 1e-6 --max-new-tokens 8192 --max-prompt-tokens 1024 \
+        --prompts-per-step 128 --group-size 8 --num-minibatches 2 --micro-batch-size 4 \
+        --eval.dataset math500 --eval.temperature 0.6 --eval.n 1 --eval.k 1 --track
+GPU, several processes (each rank its own colocated engine; a prompt's group stays on one rank):
+    accelerate launch --num_processes 8 algos/luffy.py <the flags above>
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import math
+import os
+import resource
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import torch
+import tyro
+from accelerate import Accelerator
+from tqdm.auto import tqdm
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from common.data import dataset_info, format_prompt, load_problems, prompt_batch, resolve_model_path  # noqa: E402
+from common.evaluate import EvalConfig, evaluate  # noqa: E402
+from common.data import teacher_completion  # noqa: E402
+from common.rollout import Completion, RolloutConfig, left_pad, make_engine  # noqa: E402
+from common.tracking import Tracker, latest_checkpoint, load_checkpoint, rng_state, save_checkpoint, seed_everything, set_rng_state  # noqa: E402
+from common.verifiers import compute_rewards  # noqa: E402
+
+
+@dataclass
+class Args:
+    # experiment
+    exp_name: str = os.path.basename(__file__)[: -len(".py")]
+    """name of this experiment (the script's name)"""
+    seed: int = 1
+    """seed of the experiment (data order, sampling, initialisation)"""
+    run_name: str = ""
+    """run folder name under output_dir ('' = {exp_name}__{dataset}__{seed})"""
+    output_dir: str = "runs"
+    """where run folders are written"""
+    resume: bool = False
+    """continue runs/<run_name> from its latest checkpoint (same data order and sampling seeds)"""
+    track: bool = False
+    """mirror metrics to Weights & Biases (works with WANDB_MODE=offline)"""
+    wandb_project: str = "rl-reasoning"
+    """wandb project name"""
+    # model and data
+    model: str = "tiny"
+    """hub id or local folder of the policy ('tiny' = the shipped offline model in common/tiny_model)"""
+    dataset: str = "arith"
+    """training dataset (see common/data.py) or jsonl:<path>"""
+    template: str = ""
+    """prompt template: chat, qwen-math, r1-zero, dapo, plain ('' = the dataset's default)"""
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """trainer weight dtype ('auto' = bfloat16 on CUDA, float32 on CPU)"""
+    # rollout
+    total_steps: int = 60
+    """number of rollout + update steps"""
+    prompts_per_step: int = 16
+    """prompts sampled per step, across all processes"""
+    group_size: int = 8
+    """completions per prompt (G), the teacher trace included: G-1 on-policy samples + 1 off-policy (LUFFY: 7 + 1)"""
+    max_new_tokens: int = 40
+    """token budget per completion (tiny task: 40; math with a 1.5B model: ~3000)"""
+    max_prompt_tokens: int = 512
+    """prompts longer than this (after templating) are an error"""
+    temperature: float = 1.0
+    """sampling temperature, also applied to the trainer's logits so log-probs match the sampler"""
+    top_p: float = 1.0
+    """nucleus sampling threshold for rollouts"""
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """rollout engine settings"""
+    # optimisation
+    learning_rate: float | None = None
+    """AdamW learning rate (None = 1e-4 for the tiny model; required for any other model, ~1e-6 at 1.5B-7B)"""
+    warmup_steps: int = 10
+    """linear warm-up steps (optimiser steps), then constant"""
+    adam_beta2: float = 0.99
+    """AdamW β2"""
+    weight_decay: float = 0.0
+    """AdamW weight decay"""
+    max_grad_norm: float = 1.0
+    """gradient clipping threshold"""
+    num_epochs: int = 1
+    """passes over each rollout batch (μ in the GRPO paper)"""
+    num_minibatches: int = 1
+    """optimiser steps per epoch over the rollout batch"""
+    micro_batch_size: int = 64
+    """sequences per forward/backward (gradient accumulation; does not change the objective)"""
+    max_bad_steps: int = 5
+    """abort after this many consecutive steps with a non-finite loss or gradient (each is skipped)"""
+    # ALGO LOGIC: LUFFY hyperparameters
+    shaping_gamma: float = 0.1
+    """γ in LUFFY's policy shaping f(p) = p/(p+γ) on teacher tokens (train.sh `off_policy_reshape=p_div_p_0.1`)"""
+    shaping: bool = True
+    """apply f to teacher tokens (--no-shaping: plain importance weight π_θ/π_φ with π_φ = 1, i.e. f(p) = p)"""
+    clip_eps: float = 0.2
+    """ε, the PPO clip range of the on-policy ratio (GRPO eq. 3; teacher tokens are never clipped)"""
+    on_policy_clip: bool = True
+    """clip the on-policy ratio (--no-on-policy-clip: -A·r unclipped, LUFFY's train.sh `loss_remove_clip=True`)"""
+    std_normalize: bool = False
+    """divide advantages by the group std over the union (the paper's text; the released script does not)"""
+    kl_coef: float = 0.0
+    """β, weight of a k3 KL to the frozen reference (LUFFY uses none; 0 = no reference model)"""
+    # evaluation, logging, checkpoints
+    eval_every: int = 10
+    """evaluate on the held-out set every this many steps (and before the first and after the last)"""
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    """evaluation protocol"""
+    save_every: int = 20
+    """checkpoint every this many steps (and at the end)"""
+    keep_checkpoints: int = 2
+    """number of most recent checkpoints kept (0 = all)"""
+    log_samples: int = 4
+    """completions written to samples.jsonl per step"""
+
+
+# ALGO LOGIC: advantages, loss and teacher completions (the functions tests import)
+def compute_advantages(rewards: torch.Tensor, group_size: int, std_normalize: bool = False, eps: float = 1e-6) -> torch.Tensor:
+    """Advantages over the union of a group's on- and off-policy samples: Â_i = R_i - mean_g R.
+
+    rewards: (B,) with prompt i's group (G-1 samples, then the teacher) in rows i*G .. i*G+G-1. The mean
+    includes the teacher's own reward. ``std_normalize`` divides by the sample std + eps. Returns (B,).
+    """
+    if group_size < 2:
+        raise ValueError(f"LUFFY needs group_size >= 2 (at least one on-policy sample besides the teacher), got {group_size}")
+    if rewards.numel() % group_size:
+        raise ValueError(f"{rewards.numel()} rewards do not split into groups of {group_size}")
+    grouped = rewards.view(-1, group_size).float()
+    adv = grouped - grouped.mean(dim=1, keepdim=True)
+    if std_normalize:
+        adv = adv / (grouped.std(dim=1, unbiased=True, keepdim=True) + eps)
+    return adv.view(-1)
+
+
+def shaping_fn(p: torch.Tensor, gamma: float) -> torch.Tensor:
+    """LUFFY's policy shaping f(p) = p / (p + γ); df/dp = γ/(p+γ)², df/dlog p = γp/(p+γ)² (peak 1/4 at p = γ)."""
+    return p / (p + gamma)
+
+
+def policy_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    off_policy_mask: torch.Tensor,
+    shaping_gamma: float = 0.1,
+    clip_eps: float = 0.2,
+    on_policy_clip: bool = True,
+    shaping: bool = True,
+    kl_coef: float = 0.0,
+    ref_logprobs: torch.Tensor | None = None,
+    num_tokens: int | float | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """LUFFY loss: PPO clip on on-policy rows, -A·f(π_θ) on teacher rows (``off_policy_mask``), token mean.
+
+    logprobs (B,T) with grad; old_logprobs, ref_logprobs (B,T) detached (old_logprobs is ignored on teacher
+    rows: π_φ is taken as 1); advantages (B,) or (B,T); mask (B,T) 1 on completion tokens (EOS included);
+    off_policy_mask (B,) bool, True for teacher traces. ``num_tokens`` is the number of valid tokens in the
+    optimiser mini-batch (default mask.sum()): passing it lets micro-batches accumulate to the mini-batch loss.
+    """
+    mask = mask.float()
+    adv = advantages.unsqueeze(-1) if advantages.dim() == 1 else advantages
+    off = off_policy_mask.to(torch.bool).view(-1, 1).expand_as(mask)
+    log_ratio = (logprobs - old_logprobs).clamp(-20.0, 20.0)  # as verl: keeps exp finite
+    ratio = torch.exp(log_ratio)
+    on_token = -adv * ratio
+    if on_policy_clip:
+        on_token = torch.max(on_token, -adv * ratio.clamp(1.0 - clip_eps, 1.0 + clip_eps))
+    prob = torch.exp(logprobs)  # π_θ of the teacher token; π_φ = 1, so this is the importance ratio
+    off_token = -adv * (shaping_fn(prob, shaping_gamma) if shaping else prob)
+    per_token = torch.where(off, off_token, on_token)
+    metrics = {}
+    if kl_coef > 0:
+        if ref_logprobs is None:
+            raise ValueError("kl_coef > 0 needs ref_logprobs")
+        delta = ref_logprobs - logprobs
+        k3 = torch.exp(delta) - delta - 1.0
+        per_token = per_token + kl_coef * k3
+        metrics["kl"] = ((k3 * mask).sum() / mask.sum().clamp(min=1)).item()
+    loss = (per_token * mask).sum() / (num_tokens or mask.sum().clamp(min=1))  # token mean over the mini-batch
+    with torch.no_grad():
+        on_mask, off_mask = mask * (~off).float(), mask * off.float()
+        clipped = ((adv > 0) & (ratio > 1 + clip_eps)) | ((adv < 0) & (ratio < 1 - clip_eps)) if on_policy_clip else torch.zeros_like(off)
+        metrics["clip_frac"] = ((clipped.float() * on_mask).sum() / on_mask.sum().clamp(min=1)).item()
+        metrics["ratio"] = ((ratio * on_mask).sum() / on_mask.sum().clamp(min=1)).item()
+        if off_mask.sum() > 0:  # teacher-token statistics, only from micro-batches that hold a teacher trace
+            p = prob.detach()
+            metrics["teacher_prob"] = ((p * off_mask).sum() / off_mask.sum()).item()
+            metrics["teacher_f"] = ((shaping_fn(p, shaping_gamma) * off_mask).sum() / off_mask.sum()).item()
+            weight = shaping_gamma * p / (p + shaping_gamma) ** 2 if shaping else p  # coefficient of -A·∇log π_θ
+            metrics["teacher_grad_weight"] = ((weight * off_mask).sum() / off_mask.sum()).item()
+    return loss, metrics
+
+
+def teacher_completions(problems: list[dict], rendered_prompts: list[str], tokenizer, max_new_tokens: int) -> list[Completion]:
+    """Each problem's ``solution`` as a completion: its tokens + EOS, cut to ``max_new_tokens`` ("length").
+
+    ``teacher_completion`` drops a ``<think>`` the rendered prompt already ends with (LUFFY's dataset
+    code). The log-probs are 0: the teacher's probabilities are taken as 1 (π_φ = 1).
+    """
+    out = []
+    for problem, rendered in zip(problems, rendered_prompts):
+        if not problem.get("solution", "").strip():
+            raise ValueError(f"LUFFY needs a teacher trace: problem {problem['prompt'][:60]!r} has an empty 'solution'")
+        ids = tokenizer(teacher_completion(problem["solution"], rendered), add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        finish = "stop" if len(ids) <= max_new_tokens else "length"
+        ids = ids[:max_new_tokens]
+        out.append(Completion(token_ids=ids, logprobs=[0.0] * len(ids), finish_reason=finish))
+    return out
+
+
+# SHARED: log-probs of the completion tokens under a model
+def token_logprobs(model, input_ids, attention_mask, completion_width: int, temperature: float, with_entropy: bool = False):
+    """Per-token log-probs (B, T) of the last ``completion_width`` tokens, from fp32 logits / temperature.
+
+    Only the logits of the completion positions are computed (``logits_to_keep``); positions follow the
+    attention mask so left padding matches what the sampler saw.
+    """
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, logits_to_keep=completion_width + 1).logits
+    logits = logits[:, :-1].float() / temperature
+    targets = input_ids[:, -completion_width:]
+    logprobs = torch.log_softmax(logits, dim=-1)
+    token_lp = logprobs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    entropy = -(logprobs.exp() * logprobs).sum(-1).detach() if with_entropy else None
+    return token_lp, entropy
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> float:
+    return ((x * mask).sum() / mask.sum().clamp(min=1)).item()
+
+
+def main() -> None:
+    args = tyro.cli(Args)
+    # SHARED: set-up (flags, processes, run folder)
+    if args.learning_rate is None:
+        if args.model != "tiny":
+            raise SystemExit("--learning-rate is required for a model other than 'tiny' (the tiny default 1e-4 would wreck a 1.5B model; papers use ~1e-6)")
+        args.learning_rate = 1e-4
+    if args.temperature <= 0:
+        raise SystemExit("--temperature must be > 0 for training rollouts (log-probs are of logits / temperature)")
+    accelerator = Accelerator(cpu=not torch.cuda.is_available())
+    rank, world = accelerator.process_index, accelerator.num_processes
+    accelerator.print(f"{world} process(es), {accelerator.distributed_type.value}, device {accelerator.device}")
+    if args.prompts_per_step % world:
+        raise SystemExit(f"--prompts-per-step {args.prompts_per_step} must be divisible by the number of processes ({world})")
+    compute_advantages(torch.zeros(2 * args.group_size), args.group_size)  # fail fast on a group size the method rejects
+    local_prompts = args.prompts_per_step // world
+    batch_size = local_prompts * args.group_size  # sequences per rank per step
+    if args.group_size < 2:  # ALGO LOGIC
+        raise SystemExit("--group-size must be >= 2: G-1 on-policy samples plus the teacher trace")
+    if batch_size % args.num_minibatches:
+        raise SystemExit(f"{batch_size} sequences per process do not split into --num-minibatches {args.num_minibatches}")
+    args.run_name = args.run_name or f"{args.exp_name}__{args.dataset.replace('/', '_')}__{args.seed}"
+    run_dir = Path(args.output_dir) / args.run_name
+    if run_dir.exists() and not args.resume and latest_checkpoint(run_dir) is not None:
+        raise SystemExit(f"{run_dir} already holds a run; pass --resume to continue it or choose another --run-name")
+    seed_everything(args.seed + rank)
+    device = accelerator.device
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(args.dtype, torch.bfloat16 if device.type == "cuda" else torch.float32)
+
+    # SHARED: data, verifier, templates
+    info = dataset_info(args.dataset)
+    train_problems = load_problems(args.dataset, "train")
+    eval_name = args.eval.dataset or args.dataset
+    eval_info = dataset_info(eval_name)
+    eval_problems = load_problems(eval_name, eval_info.eval_split)
+    template = args.template or info.default_template
+    eval_template = args.eval.template or eval_info.default_template
+    eval_cfg = dataclasses.replace(args.eval, max_new_tokens=args.eval.max_new_tokens or args.max_new_tokens)
+
+    # SHARED: models, optimiser, rollout engine
+    model_path = resolve_model_path(args.model)
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(device)
+    ref_model = None
+    if args.kl_coef > 0:  # ALGO LOGIC: the frozen reference exists only for the KL term
+        ref_model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(device).eval().requires_grad_(False)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, betas=(0.9, args.adam_beta2), weight_decay=args.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(1, args.warmup_steps)))
+    model, optimizer = accelerator.prepare(model, optimizer)  # not the scheduler: accelerate would step it once per process
+    policy = accelerator.unwrap_model(model)
+    engine = make_engine(args.rollout, policy, tokenizer, model_path, args.seed + rank, args.max_prompt_tokens + args.max_new_tokens)
+
+    start_step, cursor, train_time = 0, 0, 0.0  # train_time: seconds spent in steps, evaluation excluded
+    tracker = Tracker(run_dir, args, args.track, args.wandb_project, enabled=accelerator.is_main_process)
+    if args.resume and (ckpt := latest_checkpoint(run_dir)) is not None:
+        state = load_checkpoint(ckpt)
+        policy.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        set_rng_state(state["rng"][rank] if isinstance(state["rng"], list) else state["rng"])
+        start_step, cursor, train_time = state["step"], state["cursor"], state["train_time"]
+        engine.update_weights(policy)
+        tracker.truncate_after(start_step)
+        accelerator.print(f"resumed from {ckpt} at step {start_step}")
+
+    def encode_prompts(problems: list[dict], tmpl: str) -> list[list[int]]:
+        ids = [tokenizer(format_prompt(p["prompt"], tmpl, tokenizer))["input_ids"] for p in problems]
+        for p, x in zip(problems, ids):
+            if len(x) > args.max_prompt_tokens:
+                raise SystemExit(f"prompt of {len(x)} tokens exceeds --max-prompt-tokens {args.max_prompt_tokens}: {p['prompt'][:80]!r}")
+        return ids
+
+    def run_eval(step: int) -> dict[str, float]:
+        t0 = time.time()
+        metrics = {}
+        if accelerator.is_main_process:
+            metrics = evaluate(engine, tokenizer, eval_problems, eval_info.reward_fn, eval_template, eval_cfg, seed=12345, name=eval_name)
+            metrics["time/eval_s"] = time.time() - t0
+            tracker.log(metrics, step)
+        accelerator.wait_for_everyone()
+        return metrics
+
+    def checkpoint(step: int) -> None:
+        states = accelerator.gather_for_metrics([rng_state()], use_gather_object=True) if world > 1 else [rng_state()]
+        if accelerator.is_main_process:
+            state = {"model": policy.state_dict(), "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(), "rng": states, "step": step, "cursor": cursor, "train_time": train_time}
+            save_checkpoint(run_dir, step, state, keep_last=args.keep_checkpoints)
+        accelerator.wait_for_everyone()
+
+    stop_signal: list[int] = []  # SIGTERM / SIGINT: finish the current step, checkpoint, exit
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda signum, frame: stop_signal.append(signum) if not stop_signal else sys.exit(128 + signum))
+    first_eval = run_eval(start_step) if start_step == 0 else {}
+    last_eval, bad_steps = first_eval, 0
+    progress = tqdm(range(start_step, args.total_steps), initial=start_step, total=args.total_steps, desc=args.exp_name, disable=not accelerator.is_main_process)
+    for step in progress:
+        t_step = time.time()
+        # 1. prompts for this step; this process takes its contiguous share (whole groups stay on one rank)
+        indices = prompt_batch(len(train_problems), cursor, args.prompts_per_step, args.seed)[rank * local_prompts : (rank + 1) * local_prompts]
+        cursor += args.prompts_per_step
+        problems = [train_problems[i] for i in indices]
+        prompt_ids = encode_prompts(problems, template)
+
+        # 2. ALGO LOGIC: rollout: G-1 samples per prompt from the current policy, then the teacher trace as sample G
+        t0 = time.time()
+        engine.wake()
+        # one seed per prompt from its global position: the same samples on any number of processes and after a resume
+        seeds = [((args.seed * 1_000_003 + step) * args.prompts_per_step + rank * local_prompts + i) * args.group_size for i in range(local_prompts)]
+        sampled = engine.generate(prompt_ids, args.group_size - 1, args.max_new_tokens, args.temperature, args.top_p, seed=seeds)
+        engine.sleep()
+        teachers = teacher_completions(problems, [format_prompt(p["prompt"], template, tokenizer) for p in problems], tokenizer, args.max_new_tokens)
+        completions = [c for i, t in enumerate(teachers) for c in sampled[i * (args.group_size - 1) : (i + 1) * (args.group_size - 1)] + [t]]
+        off_policy = torch.tensor([i % args.group_size == args.group_size - 1 for i in range(batch_size)])
+        rollout_s = time.time() - t0
+
+        # 3. rewards from the verifier
+        t0 = time.time()
+        texts = tokenizer.batch_decode([c.token_ids for c in completions], skip_special_tokens=True)
+        golds = [p["answer"] for p in problems for _ in range(args.group_size)]
+        outputs = compute_rewards(info.reward_fn, texts, golds)
+        rewards = torch.tensor([o.reward for o in outputs], dtype=torch.float32)
+        correct = torch.tensor([o.correct for o in outputs], dtype=torch.float32)
+        reward_s = time.time() - t0
+
+        # 4. ALGO LOGIC: group-relative advantages over the union of on- and off-policy samples
+        advantages = compute_advantages(rewards, args.group_size, std_normalize=args.std_normalize)
+
+        # 5. tensors: [left-padded prompt | right-padded completion]
+        width = max(len(c.token_ids) for c in completions)
+        prompt_tensor, prompt_mask = left_pad([ids for ids in prompt_ids for _ in range(args.group_size)], tokenizer.pad_token_id, "cpu")
+        completion_tensor = torch.full((batch_size, width), tokenizer.pad_token_id, dtype=torch.long)
+        completion_mask = torch.zeros((batch_size, width))
+        rollout_logprobs = torch.zeros((batch_size, width))
+        for i, c in enumerate(completions):
+            completion_tensor[i, : len(c.token_ids)] = torch.tensor(c.token_ids)
+            completion_mask[i, : len(c.token_ids)] = 1
+            rollout_logprobs[i, : len(c.token_ids)] = torch.tensor(c.logprobs)
+        input_ids = torch.cat([prompt_tensor, completion_tensor], dim=1).to(device)
+        attention_mask = torch.cat([prompt_mask, completion_mask.long()], dim=1).to(device)
+        completion_mask, advantages, rollout_logprobs, off_policy = completion_mask.to(device), advantages.to(device), rollout_logprobs.to(device), off_policy.to(device)
+        micro_batches = [slice(i, min(i + args.micro_batch_size, batch_size)) for i in range(0, batch_size, args.micro_batch_size)]
+
+        # 6. old log-probs (only when the batch is reused, otherwise the detached current ones are exact) and reference log-probs
+        t0 = time.time()
+        on_policy = args.num_epochs == 1 and args.num_minibatches == 1
+        old_logprobs, ref_logprobs = None, None
+        with torch.no_grad():
+            if not on_policy:
+                old_logprobs = torch.cat([token_logprobs(model, input_ids[mb], attention_mask[mb], width, args.temperature)[0] for mb in micro_batches])
+            if ref_model is not None:
+                ref_logprobs = torch.cat([token_logprobs(ref_model, input_ids[mb], attention_mask[mb], width, args.temperature)[0] for mb in micro_batches])
+        old_logprobs_s = time.time() - t0
+
+        # 7. update: epochs x minibatches x micro-batches, one optimiser step per minibatch
+        t0 = time.time()
+        step_metrics: dict[str, list[float]] = {}
+        minibatch_size = batch_size // args.num_minibatches
+        for epoch in range(args.num_epochs):
+            order = torch.randperm(batch_size, generator=torch.Generator().manual_seed(args.seed * 7919 + step * 31 + epoch)).to(device)
+            for start in range(0, batch_size, minibatch_size):
+                mb_rows, minibatch_loss = order[start : start + minibatch_size], 0.0
+                num_tokens = completion_mask[mb_rows].sum().clamp(min=1)  # ALGO LOGIC: token-mean normaliser of the mini-batch
+                for j in range(0, minibatch_size, args.micro_batch_size):
+                    rows = mb_rows[j : j + args.micro_batch_size]
+                    sync = j + args.micro_batch_size >= minibatch_size
+                    with accelerator.no_sync(model) if not sync else contextlib.nullcontext():
+                        logprobs, entropy = token_logprobs(model, input_ids[rows], attention_mask[rows], width, args.temperature, with_entropy=True)
+                        old = logprobs.detach() if on_policy else old_logprobs[rows]
+                        loss, metrics = policy_loss(
+                            logprobs, old, advantages[rows], completion_mask[rows], off_policy[rows], shaping_gamma=args.shaping_gamma,
+                            clip_eps=args.clip_eps, on_policy_clip=args.on_policy_clip, shaping=args.shaping, kl_coef=args.kl_coef,
+                            ref_logprobs=None if ref_logprobs is None else ref_logprobs[rows], num_tokens=num_tokens,
+                        )
+                        accelerator.backward(loss)
+                    minibatch_loss += loss.item()
+                    on_mask = completion_mask[rows] * (~off_policy[rows]).float().unsqueeze(-1)  # ALGO LOGIC: the policy's own tokens
+                    metrics["entropy"] = masked_mean(entropy, on_mask)
+                    if off_policy[rows].any():
+                        metrics["teacher_entropy"] = masked_mean(entropy, completion_mask[rows] - on_mask)
+                    if epoch == 0 and start == 0:  # sampler vs trainer log-prob gap, on the untouched policy
+                        metrics["logprob_gap"] = masked_mean((logprobs.detach() - rollout_logprobs[rows]).abs(), on_mask)
+                    for k, v in metrics.items():
+                        step_metrics.setdefault(k, []).append(v)
+                step_metrics.setdefault("loss", []).append(minibatch_loss)
+                grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+                if math.isfinite(float(grad_norm)) and math.isfinite(minibatch_loss):
+                    optimizer.step()
+                    bad_steps = 0
+                else:  # a non-finite loss or gradient never reaches the weights
+                    bad_steps += 1
+                    step_metrics.setdefault("skipped_updates", []).append(1.0)
+                    if bad_steps >= args.max_bad_steps:
+                        raise SystemExit(f"step {step}: {bad_steps} consecutive updates with a non-finite loss or gradient; aborting")
+                scheduler.step()
+                optimizer.zero_grad(set_to_none=True)
+                step_metrics.setdefault("grad_norm", []).append(float(grad_norm))
+        train_s = time.time() - t0
+
+        # 8. push the new weights into the rollout engine
+        t0 = time.time()
+        engine.update_weights(policy)
+        weight_sync_s = time.time() - t0
+
+        # 9. log
+        lengths = completion_mask.sum(-1).cpu()
+        grouped_rewards = rewards.view(-1, args.group_size)
+        off = off_policy.cpu()  # ALGO LOGIC: the policy's samples (~off) are logged as in grpo.py, the teacher's apart
+        on, truncated = ~off, torch.tensor([c.finish_reason == "length" for c in completions])
+        generated = float(lengths[on].sum())
+        log = {f"train/{k}": sum(v) / len(v) for k, v in step_metrics.items() if k != "skipped_updates"}
+        log |= {
+            "train/reward": rewards[on].mean().item(),
+            "train/accuracy": correct[on].mean().item(),
+            "train/response_len": lengths[on].mean().item(),
+            "train/truncation_rate": truncated[on].float().mean().item(),
+            "train/teacher_reward": rewards[off].mean().item(),
+            "train/teacher_accuracy": correct[off].mean().item(),
+            "train/teacher_len": lengths[off].mean().item(),
+            "train/teacher_truncation_rate": truncated[off].float().mean().item(),
+            "train/teacher_advantage": advantages[off_policy].mean().item(),
+            "train/frac_zero_adv_groups": (grouped_rewards.max(1).values == grouped_rewards.min(1).values).float().mean().item(),
+            "train/skipped_updates": float(sum(step_metrics.get("skipped_updates", []))),
+            "train/lr": scheduler.get_last_lr()[0],
+            "time/rollout_s": rollout_s,
+            "time/reward_s": reward_s,
+            "time/old_logprobs_s": old_logprobs_s,
+            "time/train_s": train_s,
+            "time/weight_sync_s": weight_sync_s,
+            "time/tokens_per_s": generated / max(rollout_s, 1e-9),
+            "time/train_tokens_per_s": float(attention_mask.sum()) * args.num_epochs / max(train_s, 1e-9),
+        }
+        log = {k: float(v) for k, v in zip(log, accelerator.reduce(torch.tensor(list(log.values()), device=device), "mean").tolist())}
+        log["time/step_s"] = time.time() - t_step
+        train_time += log["time/step_s"]
+        log["time/elapsed_s"] = train_time
+        log["memory/peak_rss_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6
+        tracker.log(log, step + 1)
+        tracker.log_samples([{"prompt": problems[i // args.group_size]["prompt"], "completion": texts[i], "answer": golds[i], "reward": float(rewards[i])} for i in range(0, min(batch_size, args.log_samples * args.group_size), args.group_size)], step + 1)
+        progress.set_postfix(reward=f"{log['train/reward']:.3f}", acc=f"{log['train/accuracy']:.3f}", len=f"{log['train/response_len']:.1f}")
+
+        # 10. evaluate and checkpoint
+        if (step + 1) % args.eval_every == 0 or step + 1 == args.total_steps:
+            last_eval = run_eval(step + 1)
+            if accelerator.is_main_process:
+                progress.write(f"step {step + 1}: " + "  ".join(f"{k.split('/')[-1]} {v:.3f}" for k, v in last_eval.items() if not k.startswith("time")))
+        if (step + 1) % args.save_every == 0 or step + 1 == args.total_steps or stop_signal:
+            checkpoint(step + 1)
+        if stop_signal:
+            tracker.close()
+            raise SystemExit(f"stopped by signal {stop_signal[0]} after step {step + 1}; checkpoint saved, continue with --resume")
+
+    # SHARED: final model and one summary line (read by benchmarks/collect.py)
+    if accelerator.is_main_process:
+        policy.save_pretrained(run_dir / "final")
+        tokenizer.save_pretrained(run_dir / "final")
+        key = f"eval/{eval_name}/mean@{eval_cfg.n}"
+        summary = {"run": args.run_name, "steps": args.total_steps, "train_s": round(train_time, 1), "eval_start": first_eval.get(key), "eval_end": last_eval.get(key)}
+        print("SUMMARY " + json.dumps(summary))
+    tracker.close()
+
+
+if __name__ == "__main__":
+    main()
