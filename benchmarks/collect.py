@@ -100,7 +100,10 @@ def table(runs: list[dict], suite: str) -> str:
 
 def series(rs: list[dict], key: str, x: str = "step") -> tuple[list[float], list[float], list[float]]:
     """Mean and std over seeds of ``key`` at each step where every seed logged it."""
-    per_seed = [{row["step"]: (row[key], row.get("time/elapsed_s", 0.0)) for row in r["rows"] if key in row} for r in rs]
+    per_seed = []
+    for r in rs:  # eval rows carry no clock: take the train time logged at the same step (0 before training)
+        clock = {row["step"]: row["time/elapsed_s"] for row in r["rows"] if "time/elapsed_s" in row}
+        per_seed.append({row["step"]: (row[key], clock.get(row["step"], 0.0)) for row in r["rows"] if key in row})
     steps = sorted(set.intersection(*(set(s) for s in per_seed))) if per_seed else []
     xs, means, stds = [], [], []
     for step in steps:
