@@ -372,8 +372,9 @@ def main() -> None:
             # 2. rollout: G samples per prompt from the current policy
             t0 = time.time()
             engine.wake()
-            round_seed = ((args.seed * 1_000_003 + step) * args.max_sampling_rounds + round_idx) * world + rank
-            round_completions = engine.generate(round_prompt_ids, args.group_size, args.max_new_tokens, args.temperature, args.top_p, seed=round_seed)
+            # one seed per prompt from its global position (step, round, prompt): the same samples on any number of processes and after a resume
+            seeds = [(((args.seed * 1_000_003 + step) * args.max_sampling_rounds + round_idx) * args.prompts_per_step + rank * local_prompts + i) * args.group_size for i in range(local_prompts)]
+            round_completions = engine.generate(round_prompt_ids, args.group_size, args.max_new_tokens, args.temperature, args.top_p, seed=seeds)
             engine.sleep()
             rollout_s += time.time() - t0
 

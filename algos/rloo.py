@@ -27,10 +27,10 @@ Relative to grpo.py this file changes:
 
 CPU, offline (the defaults: the shipped tiny model on the synthetic `arith` task, ~1 s per step):
     python algos/rloo.py
-GPU, one process (the paper's batch of 512 sequences, k = 4, 2 optimiser steps per rollout, lr 1e-6 (§C, via
-TRL's paper index); the token budget is for math, the paper's tasks were RLHF; add --kl-coef 0.03 for its KL):
+GPU, one process (the paper's §C as TRL's paper index quotes it: 512 sequences per optimiser step, 2 steps per
+rollout, k = 4, lr 1e-6; the token budget is for math, the paper's tasks were RLHF; --kl-coef 0.03 adds its KL):
     python algos/rloo.py --model Qwen/Qwen2.5-Math-1.5B --dataset math --template qwen-math \
-        --rollout.backend vllm --learning-rate 1e-6 --max-new-tokens 3000 --prompts-per-step 128 \
+        --rollout.backend vllm --learning-rate 1e-6 --max-new-tokens 3000 --prompts-per-step 256 \
         --group-size 4 --num-minibatches 2 --micro-batch-size 8 --eval.dataset math500 --track
 GPU, several processes (each rank its own colocated engine; a prompt's group stays on one rank):
     accelerate launch --num_processes 8 algos/rloo.py <the flags above>
