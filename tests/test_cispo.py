@@ -22,8 +22,8 @@ def _one_token(cispo, adv, old_p, new_p, **hyper):
     return loss.item(), lp.grad.item(), metrics
 
 
-def test_defaults():
-    args = load_algo("cispo").Args()
+def test_defaults(cispo):
+    args = cispo.Args()
     assert args.eps_max == 5.0 and args.kl_coef == 0.0
     assert args.num_minibatches > 1  # otherwise every IS weight is exactly 1 and CISPO is REINFORCE
 

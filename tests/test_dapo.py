@@ -27,8 +27,8 @@ def _token_grad(dapo, adv, ratio, **hyper):
     return lp.grad.item(), metrics
 
 
-def test_defaults_are_the_papers():
-    args = load_algo("dapo").Args()
+def test_defaults_are_the_papers(dapo):
+    args = dapo.Args()
     assert (args.clip_eps_low, args.clip_eps_high, args.overlong_cache_frac) == (0.2, 0.28, 0.2)
     assert args.kl_coef == 0.0 and args.overlong_filtering is False and args.max_sampling_rounds >= 1
 

@@ -69,7 +69,7 @@ def test_arith_stream_is_pinned():
     # the shipped tiny model was warm-started on this exact stream: a change here silently mixes splits
     assert load_problems("arith", "test")[0] == {"prompt": "1-9-9=?", "answer": "-17", "solution": "1-9=-8;-8-9=-17;\\boxed{-17}"}
     assert load_problems("arith", "train")[0]["prompt"] == "6-6-0=?"
-    assert load_problems("arith-hard", "test")[0]["prompt"] == "86-10-72+73=?"
+    assert load_problems("arith-hard", "test")[0]["prompt"] == "1-9-9+8=?"  # 4 one-digit operands (LUFFY demo)
 
 
 def test_arith_check_catches_a_wrong_step():
