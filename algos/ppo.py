@@ -348,7 +348,7 @@ def main() -> None:
     torch.nn.init.zeros_(critic_model.score.bias)
     critic_optimizer = torch.optim.AdamW(critic_model.parameters(), lr=args.critic_learning_rate, betas=(0.9, args.adam_beta2), weight_decay=args.weight_decay)
     critic_scheduler = torch.optim.lr_scheduler.LambdaLR(critic_optimizer, lambda s: min(1.0, (s + 1) / max(1, args.warmup_steps * args.critic_num_minibatches)))
-    critic, critic_optimizer, critic_scheduler = accelerator.prepare(critic_model, critic_optimizer, critic_scheduler)
+    critic, critic_optimizer = accelerator.prepare(critic_model, critic_optimizer)  # the scheduler unprepared, as the policy's
     engine = make_engine(args.rollout, policy, tokenizer, model_path, args.seed + rank, args.max_prompt_tokens + args.max_new_tokens)
 
     start_step, cursor, train_time = 0, 0, 0.0  # train_time: seconds spent in steps, evaluation excluded
