@@ -92,52 +92,61 @@ class HFEngine:
         ``seed`` is one int for the call or one int per prompt; sample j of prompt i uses seed_i + j (as vLLM).
         """
         seeds = prompt_seeds(seed, len(prompt_ids))
-        expanded = [(ids, s + j) for ids, s in zip(prompt_ids, seeds) for j in range(n)]
+        per_call = max(1, self.max_batch // n)  # prompts per decode call
         was_training = self.model.training
         self.model.eval()
         try:
             out = []
-            for start in range(0, len(expanded), self.max_batch):
-                chunk = expanded[start : start + self.max_batch]
-                out += self._decode([ids for ids, _ in chunk], [s for _, s in chunk], max_new_tokens, temperature, top_p)
+            for start in range(0, len(prompt_ids), per_call):
+                out += self._decode(prompt_ids[start : start + per_call], n, seeds[start : start + per_call], max_new_tokens, temperature, top_p)
             return out
         finally:
             self.model.train(was_training)
 
-    def _decode(self, prompts: list[list[int]], seeds: list[int], max_new_tokens: int, temperature: float, top_p: float) -> list[Completion]:
+    def _decode(self, prompts: list[list[int]], n: int, seeds: list[int], max_new_tokens: int, temperature: float, top_p: float) -> list[Completion]:
         device = next(self.model.parameters()).device
+        # prefill each distinct prompt once, then copy its KV cache to its n samples
         input_ids, attention_mask = left_pad(prompts, self.tokenizer.pad_token_id, device)
         position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-        generators = [torch.Generator(device=device).manual_seed(s) for s in seeds]
-        eos = torch.tensor(self.eos_ids, device=device)
-        batch = len(prompts)
-        finished = torch.zeros(batch, dtype=torch.bool, device=device)
-        tokens, logprobs = [], []
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=True, logits_to_keep=1)
-        vocab = self.model.get_output_embeddings().weight.shape[0]
+        cache = out.past_key_values
+        if n > 1:
+            cache.batch_repeat_interleave(n)
+        logits = out.logits[:, -1].float().repeat_interleave(n, dim=0)
+        attention_mask, position_ids = attention_mask.repeat_interleave(n, dim=0), position_ids[:, -1:].repeat_interleave(n, dim=0)
+        batch = len(prompts) * n
+        generators = [torch.Generator(device=device).manual_seed(s + j) for s in seeds for j in range(n)]
+        eos = torch.tensor(self.eos_ids, device=device)
+        tokens = torch.full((batch, max_new_tokens), -1, dtype=torch.long, device=device)
+        logprobs = torch.zeros((batch, max_new_tokens), device=device)
+        active = torch.arange(batch, device=device)  # rows still decoding, in the order the cache holds them
+        vocab = logits.shape[-1]
         chunk = max(1, min(max_new_tokens, NOISE_BUDGET // (batch * vocab)))  # decode steps of noise drawn at once
         for step in range(max_new_tokens):
-            logits = out.logits[:, -1].float()
             if temperature > 0:
                 if step % chunk == 0:  # each sample's own stream: (batch, chunk, vocab) uniforms
-                    uniform = torch.stack([torch.rand(chunk, logits.shape[-1], generator=g, device=device) for g in generators])
+                    uniform = torch.stack([torch.rand(chunk, vocab, generator=g, device=device) for g in generators])
                 logits = top_p_filter(logits / temperature, top_p)
-                next_tokens = gumbel_max(logits, uniform[:, step % chunk])
+                next_tokens = gumbel_max(logits, uniform[active, step % chunk])
             else:
                 next_tokens = logits.argmax(-1)
-            logprobs.append(torch.log_softmax(logits, -1).gather(-1, next_tokens[:, None]).squeeze(-1))
-            tokens.append(next_tokens)
-            finished |= torch.isin(next_tokens, eos)
-            if finished.all():
+            tokens[active, step] = next_tokens
+            logprobs[active, step] = torch.log_softmax(logits, -1).gather(-1, next_tokens[:, None]).squeeze(-1)
+            done = torch.isin(next_tokens, eos)
+            if done.all() or step == max_new_tokens - 1:
                 break
             attention_mask = torch.cat([attention_mask, torch.ones_like(attention_mask[:, :1])], dim=1)
-            position_ids = position_ids[:, -1:] + 1
-            out = self.model(input_ids=next_tokens[:, None], attention_mask=attention_mask, position_ids=position_ids, past_key_values=out.past_key_values, use_cache=True)
-        tokens_t, logprobs_t = torch.stack(tokens, 1).tolist(), torch.stack(logprobs, 1).tolist()
+            position_ids = position_ids + 1
+            if done.sum() * 4 >= len(active):  # drop finished rows once they are a quarter of the batch
+                keep = (~done).nonzero().squeeze(-1)
+                cache.batch_select_indices(keep)
+                active, next_tokens, attention_mask, position_ids = active[keep], next_tokens[keep], attention_mask[keep], position_ids[keep]
+            out = self.model(input_ids=next_tokens[:, None], attention_mask=attention_mask, position_ids=position_ids, past_key_values=cache, use_cache=True)
+            logits = out.logits[:, -1].float()
         completions = []
-        for row_tokens, row_logprobs in zip(tokens_t, logprobs_t):
+        for row_tokens, row_logprobs in zip(tokens.tolist(), logprobs.tolist()):
             stop = next((t for t, tok in enumerate(row_tokens) if tok in self.eos_ids), None)
-            length = len(row_tokens) if stop is None else stop + 1
+            length = max_new_tokens if stop is None else stop + 1
             completions.append(Completion(row_tokens[:length], row_logprobs[:length], "length" if stop is None else "stop"))
         return completions
 
