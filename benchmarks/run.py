@@ -58,12 +58,17 @@ def expand(suite_name: str, suite: dict, seeds: list[int] | None, only: list[str
             continue
         script = REPO / entry.get("script", f"algos/{entry['algo']}.py")
         python = str(REPO / entry["python"]) if "python" in entry else sys.executable
+        if not Path(python).exists():  # a peer's own environment (e.g. .venv-trl) that this machine lacks
+            print(f"skipping {label}: {python} does not exist (see {entry.get('script', '')}'s docstring to create it)")
+            continue
         for seed in seeds or entry.get("seeds", suite["seeds"]):
             run_dir = output_root / suite_name / f"{label}__{seed}"
             prefix = list(suite.get("launcher", [python]))  # e.g. ["accelerate", "launch", "--num_processes", "8"]
             cmd = [*prefix, str(script), "--seed", str(seed), "--output-dir", str(run_dir.parent), "--run-name", run_dir.name]
             runs.append(Run(label, seed, cmd + list(suite.get("flags", [])) + list(entry.get("flags", [])), run_dir))
-    return runs
+    # seed-major order: every entry's seed 1 first, so a partial suite is complete for one seed, and timing
+    # comparisons (ours vs a peer) are interleaved in time rather than run in blocks
+    return sorted(runs, key=lambda run: run.seed)
 
 
 def done(run: Run) -> bool:

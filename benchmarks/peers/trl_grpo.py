@@ -35,8 +35,10 @@ Same work as grpo.py (checked against TRL 1.16.0's source, trl/trainer/grpo_trai
   Not TRL's `lr_scheduler_type="constant_with_warmup"`: transformers' version gives lr 0 on the first optimiser step
   (factor step/warmup from step 0) and reaches full lr one step later than grpo.py; and transformers 5 defaults
   to the fused AdamW.
-* defaults overridden because TRL's differ: learning_rate (1e-6), gradient_checkpointing (True -> False), bf16
-  (True -> False, fp32 like grpo.py on CPU), use_cpu, max_completion_length (512), per_device_train_batch_size (8),
+* precision: fp32 weights and eager attention, as grpo.py on the CPU; bf16 autocast when grpo.py uses it
+  (--mixed-precision, same flag and default). TRL's bf16=True is accelerate's autocast, which also covers TRL's
+  generation (grpo.py samples in fp32), so `--mixed-precision no` on both compares the loops without it.
+* defaults overridden because TRL's differ: learning_rate (1e-6), gradient_checkpointing (True -> False), use_cpu, max_completion_length (512), per_device_train_batch_size (8),
   beta (0), loss_type ("dapo"), save_strategy (checkpoints -> "no"), logging_steps (10 -> 1), report_to none,
   tqdm and the per-step log printer off (this script prints grpo.py's progress bar instead).
 * data order (default --data-order ours): the train set is handed to TRL already in grpo.py's order
@@ -146,6 +148,8 @@ class Args:
     """gradient clipping threshold"""
     micro_batch_size: int = 64
     """sequences per forward/backward (TRL's per_device_train_batch_size; the rest is gradient accumulation)"""
+    mixed_precision: Literal["auto", "no", "bf16"] = "auto"
+    """as grpo.py: bf16 autocast over fp32 weights ('auto' = on for CPUs with bf16 instructions); TRL's bf16 flag"""
     # ALGO LOGIC: GRPO hyperparameters (TRL's epsilon and beta)
     clip_eps: float = 0.2
     """ε, the PPO clip range of the ratio"""
@@ -219,7 +223,9 @@ def main() -> None:
     tokenizer.padding_side = "left"
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    # as grpo.py on the CPU: fp32 weights, eager attention (TRL builds the reference model the same way)
+    use_bf16 = args.mixed_precision == "bf16" or (args.mixed_precision == "auto" and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32, attn_implementation="eager")
 
     def trl_prompt(question: str):
         # 'chat' is exactly the tokenizer's chat template over one user turn: let TRL apply it
@@ -299,9 +305,9 @@ def main() -> None:
         adam_beta2=args.adam_beta2,
         weight_decay=args.weight_decay,
         max_grad_norm=args.max_grad_norm,
-        # CPU, fp32, no checkpoints, quiet
+        # CPU, grpo.py's precision, no checkpoints, quiet
         use_cpu=True,
-        bf16=False,
+        bf16=use_bf16,
         gradient_checkpointing=False,
         save_strategy="no",
         report_to="none",
