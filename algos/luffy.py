@@ -448,7 +448,7 @@ def main() -> None:
             order = torch.randperm(batch_size, generator=torch.Generator().manual_seed(args.seed * 7919 + step * 31 + epoch)).to(device)
             for start in range(0, batch_size, minibatch_size):
                 mb_rows, minibatch_loss = order[start : start + minibatch_size], 0.0
-                num_tokens = completion_mask[mb_rows].sum().clamp(min=1)  # ALGO LOGIC: token-mean normaliser of the mini-batch
+                num_tokens = max(float(accelerator.reduce(completion_mask[mb_rows].sum(), "sum")), 1.0) / world  # ALGO LOGIC: global token mean (DDP averages)
                 for j in range(0, minibatch_size, args.micro_batch_size):
                     rows = mb_rows[j : j + args.micro_batch_size]
                     sync = j + args.micro_batch_size >= minibatch_size

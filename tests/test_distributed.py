@@ -19,9 +19,19 @@ FLAGS = ["--prompts-per-step", "4", "--group-size", "4", "--max-new-tokens", "24
          "--mixed-precision", "no"]  # fp32: bf16 autocast rounds per micro-batch shape (measured gap 1.5e-2 with bf16)
 
 
-def launch(tmp_path, name, nproc):
+# what each script adds to the check: grpo the plain per-sequence loss, luffy a global token-mean normaliser
+# (summed over ranks, as cispo/maxrl/dapo), ppo batch whitening over ranks plus a critic with its own optimiser.
+# One mini-batch each, so a rank's share of a mini-batch is the same rows however many processes there are.
+SCRIPT_FLAGS = {
+    "grpo": [],
+    "luffy": ["--num-minibatches", "1"],
+    "ppo": ["--critic-num-minibatches", "1"],
+}
+
+
+def launch(tmp_path, name, nproc, algo="grpo"):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1"}
-    script = [str(REPO / "algos" / "grpo.py"), "--output-dir", str(tmp_path), "--run-name", name, *FLAGS]
+    script = [str(REPO / "algos" / f"{algo}.py"), "--output-dir", str(tmp_path), "--run-name", name, *FLAGS, *SCRIPT_FLAGS[algo]]
     if nproc == 1:
         cmd = [sys.executable, *script]
     else:
@@ -31,9 +41,10 @@ def launch(tmp_path, name, nproc):
     return result
 
 
-def test_two_processes_match_one(tmp_path):
-    one = launch(tmp_path, "one", 1)
-    two = launch(tmp_path, "two", 2)
+@pytest.mark.parametrize("algo", list(SCRIPT_FLAGS))
+def test_two_processes_match_one(tmp_path, algo):
+    one = launch(tmp_path, "one", 1, algo)
+    two = launch(tmp_path, "two", 2, algo)
     assert "1 process(es)" in one.stdout and "2 process(es), MULTI_CPU" in two.stdout
     base = load_file(REPO / "common" / "tiny_model" / "model.safetensors")
     w1 = load_file(tmp_path / "one" / "final" / "model.safetensors")
