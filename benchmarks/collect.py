@@ -7,6 +7,9 @@ Reads runs/<suite>/*/{metrics.jsonl,config.json,bench.json} and writes benchmark
     table.md       mean ± std over seeds per algorithm, with hardware and commit
     curves.png     held-out accuracy vs step and vs wall-clock, train reward, response length, entropy,
                    clip / mask fraction; all algorithms overlaid, shaded ± std over seeds
+    scaling.png    (suites with grpo runs at several group sizes / token budgets) s/step against each
+When a suite holds a peer (label trl_grpo[-X]) and our matching run (grpo[-X]) with the same seeds, table.md also
+gets the per-seed ratio of seconds per step and of train wall-clock to reach the peer's final held-out accuracy.
 It also rewrites the block between <!-- BENCH-<SUITE>-BEGIN --> and <!-- BENCH-<SUITE>-END --> in README.md.
 """
 
@@ -52,7 +55,11 @@ def read_run(run_dir: Path) -> dict | None:
         "final_mean": at(last, f"mean@{n}"), "final_pass": at(last, f"pass@{max(ks)}"), "final_greedy": at(last, "greedy"),
         "response_len": at(last, "response_len"),
         "train_wall_s": train_rows[-1].get("time/elapsed_s"), "run_wall_s": record["wall_s"],
-        "s_per_step": statistics.mean(r["time/step_s"] for r in train_rows),
+        "s_per_step": statistics.median(r["time/step_s"] for r in train_rows),  # median: robust to the warm-up step
+        "rollout_s": statistics.median(r["time/rollout_s"] for r in train_rows),
+        "logprob_s": statistics.median(r["time/old_logprobs_s"] for r in train_rows) if "time/old_logprobs_s" in train_rows[-1] else None,
+        "update_s": statistics.median(r["time/train_s"] for r in train_rows),
+        "group_size": config.get("group_size"), "max_new_tokens": config.get("max_new_tokens"),
         "gen_tok_s": statistics.mean(r["time/tokens_per_s"] for r in train_rows),
         "peak_mem_gb": max(r.get("memory/peak_rss_gb", 0.0) for r in train_rows),
         "n": n, "k": max(ks), "hardware": config.get("hardware", ""), "commit": str(record.get("git_commit") or "")[:10],
@@ -75,8 +82,8 @@ def table(runs: list[dict], suite: str) -> str:
         by_label[r["label"]].append(r)
     n, k = runs[0]["n"], runs[0]["k"]
     lines = [
-        f"| algorithm | base mean@{n} | final mean@{n} | final pass@{k} | final greedy | response len | steps | train wall-clock (s) | s/step | gen tok/s | peak RSS (GB) | seeds |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        f"| algorithm | base mean@{n} | final mean@{n} | final pass@{k} | final greedy | response len | steps | train wall-clock (s) | s/step | rollout / log-probs / update (s) | gen tok/s | peak RSS (GB) | seeds |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for label, rs in by_label.items():
         lines.append(
@@ -84,17 +91,93 @@ def table(runs: list[dict], suite: str) -> str:
             f"| {mean_std([r['base_mean'] for r in rs])} | **{mean_std([r['final_mean'] for r in rs])}** "
             f"| {mean_std([r['final_pass'] for r in rs])} | {mean_std([r['final_greedy'] for r in rs])} "
             f"| {mean_std([r['response_len'] for r in rs], 1)} | {rs[0]['steps']} | {mean_std([r['train_wall_s'] for r in rs], 0)} "
-            f"| {mean_std([r['s_per_step'] for r in rs], 2)} | {mean_std([r['gen_tok_s'] for r in rs], 0)} "
+            f"| {mean_std([r['s_per_step'] for r in rs], 2)} "
+            f"| {mean_std([r['rollout_s'] for r in rs], 2)} / {mean_std([r['logprob_s'] for r in rs], 2)} / {mean_std([r['update_s'] for r in rs], 2)} "
+            f"| {mean_std([r['gen_tok_s'] for r in rs], 0)} "
             f"| {mean_std([r['peak_mem_gb'] for r in rs], 2)} | {len(rs)} |"
         )
     commits = sorted({r["commit"] + (" (dirty)" if r["dirty"] else "") for r in runs})
     lines += [
         "",
         f"Suite `{suite}`; held-out set `{runs[0]['dataset']}`; mean@{n} and pass@{k} from {n} samples per problem at the "
-        f"suite's evaluation protocol (see each run's config.json); mean ± sample std over seeds. "
+        f"suite's evaluation protocol (see each run's config.json); mean ± sample std over seeds. s/step and its parts are "
+        f"per-run medians over steps (evaluation excluded); train wall-clock sums every step. "
         f"Hardware: {runs[0]['hardware']}. Commit(s): {', '.join(commits)}. "
         f"Regenerate: `python benchmarks/run.py {suite} && python benchmarks/collect.py {suite}`.",
     ]
+    return "\n".join(lines)
+
+
+def time_to_reach(run: dict, target: float) -> float | None:
+    """Train wall-clock (s) at the first evaluation where held-out mean@n reaches ``target`` (None if never)."""
+    clock = {row["step"]: row["time/elapsed_s"] for row in run["rows"] if "time/elapsed_s" in row}
+    key = f"{run['eval_prefix']}mean@{run['n']}"
+    for row in run["rows"]:
+        if key in row and row[key] >= target - 1e-9:
+            return clock.get(row["step"], 0.0)
+    return None
+
+
+def peer_comparison(runs: list[dict]) -> str:
+    """Ours vs peer, seed by seed: s/step ratio and train wall-clock to reach the peer's final accuracy."""
+    by_key = {(r["label"], r["seed"]): r for r in runs}
+    lines = []
+    for peer_label in sorted({r["label"] for r in runs if r["label"].startswith("trl_")}):
+        ours_label = peer_label.removeprefix("trl_")
+        pairs = [(by_key[(ours_label, seed)], by_key[(peer_label, seed)]) for (label, seed) in sorted(by_key) if label == peer_label and (ours_label, seed) in by_key]
+        if not pairs:
+            continue
+        step_ratios = [o["s_per_step"] / p["s_per_step"] for o, p in pairs]
+        reach = [(time_to_reach(o, p["final_mean"]), p["train_wall_s"]) for o, p in pairs]
+        reach_ratios = [t / total for t, total in reach if t is not None and total]
+        lines += [
+            f"**{ours_label} vs {peer_label}** ({len(pairs)} seed pairs, run interleaved in one invocation): "
+            f"s/step {mean_std([o['s_per_step'] for o, _ in pairs], 3)} vs {mean_std([p['s_per_step'] for _, p in pairs], 3)}, "
+            f"ratio {mean_std(step_ratios, 2)} (per seed: {', '.join(f'{x:.2f}' for x in step_ratios)}); "
+            f"final mean@{pairs[0][0]['n']} {mean_std([o['final_mean'] for o, _ in pairs])} vs {mean_std([p['final_mean'] for _, p in pairs])}; "
+            f"train wall-clock to reach the peer's final accuracy: ratio {mean_std(reach_ratios, 2)} "
+            f"({len(reach_ratios)}/{len(pairs)} of our runs reached it).",
+            "",
+        ]
+    return "\n".join(lines)
+
+
+def scaling(runs: list[dict], out: Path) -> str:
+    """s/step of grpo runs against group size (at the default token budget) and token budget (at the default G)."""
+    rs = [r for r in runs if r["algo"] == "grpo" and r["label"].startswith("grpo") and "fp32" not in r["label"]]
+    configs = defaultdict(list)
+    for r in rs:
+        configs[(r["group_size"], r["max_new_tokens"])].append(r)
+    if len(configs) < 3:
+        return ""
+    lines = [
+        "| group size | max new tokens | s/step | rollout (s) | update (s) | response len | gen tok/s | runs |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for (g, t), group in sorted(configs.items()):
+        lines.append(
+            f"| {g} | {t} | {mean_std([r['s_per_step'] for r in group], 2)} | {mean_std([r['rollout_s'] for r in group], 2)} "
+            f"| {mean_std([r['update_s'] for r in group], 2)} | {mean_std([r['response_len'] for r in group], 1)} "
+            f"| {mean_std([r['gen_tok_s'] for r in group], 0)} | {len(group)} |"
+        )
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    default_g, default_t = 8, 40
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
+    for ax, (name, vary, fixed) in zip(axes, (("group size", 0, default_t), ("max new tokens", 1, default_g))):
+        points = sorted((k[vary], statistics.mean(r["s_per_step"] for r in v)) for k, v in configs.items() if k[1 - vary] == fixed)
+        ax.plot([p[0] for p in points], [p[1] for p in points], "o-")
+        ax.set_xlabel(name)
+        ax.set_ylabel("s/step")
+        ax.set_xscale("log", base=2)
+        ax.set_title(f"grpo.py s/step vs {name} ({'max new tokens' if vary == 0 else 'group size'} {fixed})")
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
     return "\n".join(lines)
 
 
@@ -142,8 +225,8 @@ def plot(runs: list[dict], out: Path, suite: str) -> None:
             xs, means, stds = series(rs, k, x)
             if not xs:
                 continue
-            color = plt.cm.tab10(i % 10)
-            ax.plot(xs, means, label=label, color=color, lw=1.6)
+            color = plt.cm.tab20(i % 20)
+            ax.plot(xs, means, label=label, color=color, lw=1.6, ls="--" if label.startswith("trl_") else "-")
             ax.fill_between(xs, [m - s for m, s in zip(means, stds)], [m + s for m, s in zip(means, stds)], color=color, alpha=0.15)
         ax.set_title(title)
         ax.set_xlabel("seconds" if x == "time" else "step")
@@ -183,9 +266,16 @@ def main() -> None:
         writer.writeheader()
         writer.writerows({k: r[k] for k in fields} for r in runs)
     markdown = table(runs, args.suite)
+    comparison = peer_comparison(runs)
+    if comparison:
+        markdown += "\n\n" + comparison
+    scaling_table = scaling(runs, out / "scaling.png")
+    if scaling_table:
+        markdown += "\n\n" + scaling_table + "\n\n![scaling](scaling.png)"
     (out / "table.md").write_text(markdown + "\n")
     plot(runs, out / "curves.png", args.suite)
-    readme_text = markdown + f"\n\n![learning curves](benchmarks/results/{args.suite}/curves.png)"
+    readme_text = markdown.replace("](scaling.png)", f"](benchmarks/results/{args.suite}/scaling.png)")
+    readme_text += f"\n\n![learning curves](benchmarks/results/{args.suite}/curves.png)"
     updated = update_readme(args.suite, readme_text)
     print(markdown)
     print(f"\nwrote {out}/runs.csv, table.md, curves.png" + ("; updated README.md" if updated else ""))

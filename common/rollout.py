@@ -437,6 +437,12 @@ def vllm_available() -> bool:
 
 def make_engine(cfg: RolloutConfig, model: torch.nn.Module, tokenizer, model_path: str, seed: int, max_model_len: int) -> Engine:
     """Build the engine ``cfg.backend`` asks for ('auto': vLLM on a CUDA machine with vllm installed)."""
+    if any(hasattr(p, "full_tensor") for p in model.parameters()):
+        raise RuntimeError(
+            "the policy's parameters are FSDP shards (DTensor): the scripts do not support FSDP yet. Their checkpoints "
+            "save the main process's state_dict and the HF engine would decode a different number of steps per rank "
+            "(a deadlock in FSDP's all-gathers). Use DDP (scripts/accelerate/multi_gpu.yaml); see README 'Scaling out'."
+        )
     backend = cfg.backend
     if backend == "auto":
         backend = "vllm" if vllm_available() else "hf"
