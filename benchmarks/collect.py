@@ -19,10 +19,12 @@ import argparse
 import csv
 import json
 import statistics
+import sys
 from collections import defaultdict
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
 CLIP_KEYS = ("train/clip_frac", "train/masked_frac", "train/capped_frac")  # whichever the algorithm logs
 
 
@@ -48,12 +50,13 @@ def read_run(run_dir: Path) -> dict | None:
         return row.get(prefix + key)
 
     first, last = eval_rows[0], eval_rows[-1]
+    right_len, wrong_len = sample_lengths(run_dir, train_rows[-1]["step"])
     return {
         "label": record["label"], "seed": record["seed"], "algo": config.get("exp_name", record["label"]),
         "dataset": dataset, "steps": train_rows[-1]["step"],
         "base_mean": at(first, f"mean@{n}") if first["step"] == 0 else None,
         "final_mean": at(last, f"mean@{n}"), "final_pass": at(last, f"pass@{max(ks)}"), "final_greedy": at(last, "greedy"),
-        "response_len": at(last, "response_len"),
+        "response_len": at(last, "response_len"), "right_len_chars": right_len, "wrong_len_chars": wrong_len,
         "train_wall_s": train_rows[-1].get("time/elapsed_s"), "run_wall_s": record["wall_s"],
         "s_per_step": statistics.median(r["time/step_s"] for r in train_rows),  # median: robust to the warm-up step
         "rollout_s": statistics.median(r["time/rollout_s"] for r in train_rows),
@@ -65,6 +68,28 @@ def read_run(run_dir: Path) -> dict | None:
         "n": n, "k": max(ks), "hardware": config.get("hardware", ""), "commit": str(record.get("git_commit") or "")[:10],
         "dirty": record.get("git_dirty"), "command": record["command"], "rows": rows, "eval_prefix": prefix,
     }
+
+
+def sample_lengths(run_dir: Path, steps: int) -> tuple[float | None, float | None]:
+    """Mean length (characters) of the logged training samples judged right / wrong, over the last third of steps.
+
+    Each script logs a few samples per step (samples.jsonl); the length of wrong answers is what Dr. GRPO's
+    length-bias claim is about. Judged with the tiny task's exact checker when the gold is an integer, else by reward > 0.
+    """
+    path = run_dir / "samples.jsonl"
+    if not path.exists():
+        return None, None
+    from common.verifiers import grade_boxed_exact
+
+    right, wrong = [], []
+    for line in path.read_text().splitlines():
+        sample = json.loads(line)
+        if sample.get("step", 0) <= steps * 2 // 3 or "completion" not in sample:
+            continue
+        answer = str(sample.get("answer", ""))
+        ok = grade_boxed_exact(sample["completion"], answer) if answer.lstrip("-").isdigit() else sample.get("reward", 0) > 0
+        (right if ok else wrong).append(len(sample["completion"]))
+    return (statistics.mean(right) if right else None), (statistics.mean(wrong) if wrong else None)
 
 
 def mean_std(values: list[float | None], digits: int = 3) -> str:
@@ -82,15 +107,15 @@ def table(runs: list[dict], suite: str) -> str:
         by_label[r["label"]].append(r)
     n, k = runs[0]["n"], runs[0]["k"]
     lines = [
-        f"| algorithm | base mean@{n} | final mean@{n} | final pass@{k} | final greedy | response len | steps | train wall-clock (s) | s/step | rollout / log-probs / update (s) | gen tok/s | peak RSS (GB) | seeds |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        f"| algorithm | base mean@{n} | final mean@{n} | final pass@{k} | final greedy | response len | right / wrong sample len (chars) | steps | train wall-clock (s) | s/step | rollout / log-probs / update (s) | gen tok/s | peak RSS (GB) | seeds |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for label, rs in by_label.items():
         lines.append(
             f"| [{label}]({'algos/' + rs[0]['algo'] + '.py' if (REPO / 'algos' / (rs[0]['algo'] + '.py')).exists() else 'benchmarks/peers/'}) "
             f"| {mean_std([r['base_mean'] for r in rs])} | **{mean_std([r['final_mean'] for r in rs])}** "
             f"| {mean_std([r['final_pass'] for r in rs])} | {mean_std([r['final_greedy'] for r in rs])} "
-            f"| {mean_std([r['response_len'] for r in rs], 1)} | {rs[0]['steps']} | {mean_std([r['train_wall_s'] for r in rs], 0)} "
+            f"| {mean_std([r['response_len'] for r in rs], 1)} | {mean_std([r['right_len_chars'] for r in rs], 1)} / {mean_std([r['wrong_len_chars'] for r in rs], 1)} | {rs[0]['steps']} | {mean_std([r['train_wall_s'] for r in rs], 0)} "
             f"| {mean_std([r['s_per_step'] for r in rs], 2)} "
             f"| {mean_std([r['rollout_s'] for r in rs], 2)} / {mean_std([r['logprob_s'] for r in rs], 2)} / {mean_std([r['update_s'] for r in rs], 2)} "
             f"| {mean_std([r['gen_tok_s'] for r in rs], 0)} "
