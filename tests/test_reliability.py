@@ -111,3 +111,72 @@ def test_bad_flags_fail_with_a_clear_message(tmp_path, flags, message):
     assert result.returncode != 0
     assert message in result.stderr + result.stdout, result.stderr[-1500:]
     assert not list(tmp_path.glob("*/checkpoints/step_*")), "training must not have started"
+
+
+def constant_rewards(value: float):
+    """A verifier stand-in that scores every completion the same: every group is all-right or all-wrong."""
+    from common.verifiers import RewardOutput
+
+    return lambda name, texts, golds: [RewardOutput(value, value > 0) for _ in texts]
+
+
+def final_weights_are_finite(run_dir) -> bool:
+    weights = load_file(run_dir / "final" / "model.safetensors")
+    return all(torch.isfinite(v).all() for v in weights.values())
+
+
+def test_all_equal_rewards_give_zero_advantages_and_a_finite_step(tmp_path, monkeypatch):
+    grpo = load_algo("grpo")
+    monkeypatch.setattr(grpo, "compute_rewards", constant_rewards(0.0))
+    run_in_process(grpo, monkeypatch, tmp_path, "--run-name", "flat", "--total-steps", "2")
+    rows = [r for r in read_metrics(tmp_path / "flat") if "train/reward" in r]
+    assert [r["train/frac_zero_adv_groups"] for r in rows] == [1.0, 1.0]
+    assert all(math.isfinite(r["train/loss"]) and r["train/skipped_updates"] == 0.0 for r in rows)
+    assert final_weights_are_finite(tmp_path / "flat")
+
+
+def test_dapo_stops_with_a_message_when_every_group_is_filtered(tmp_path, monkeypatch):
+    dapo = load_algo("dapo")
+    monkeypatch.setattr(dapo, "compute_rewards", constant_rewards(1.0))
+    with pytest.raises(SystemExit, match="dynamic sampling kept no group with mixed correctness in 2 rounds"):
+        run_in_process(dapo, monkeypatch, tmp_path, "--run-name", "filtered", "--total-steps", "2", "--max-sampling-rounds", "2")
+    assert not list((tmp_path / "filtered").glob("checkpoints/step_*")), "no update may have happened"
+
+
+def test_prime_refills_with_rejected_groups_when_every_group_is_filtered(tmp_path, monkeypatch):
+    prime = load_algo("prime")
+    monkeypatch.setattr(prime, "compute_rewards", constant_rewards(1.0))
+    run_in_process(prime, monkeypatch, tmp_path, "--run-name", "refill", "--total-steps", "1", "--filter-max-rounds", "2")
+    rows = [r for r in read_metrics(tmp_path / "refill") if "train/reward" in r]
+    assert len(rows) == 1 and rows[0]["train/reward"] == 1.0 and math.isfinite(rows[0]["train/loss"])
+    assert final_weights_are_finite(tmp_path / "refill")
+
+
+def test_empty_and_truncated_completions(tmp_path, monkeypatch):
+    """Half the samples are EOS only (empty text), the other half hit the token limit without EOS."""
+    grpo = load_algo("grpo")
+    real_make_engine = grpo.make_engine
+
+    def make_engine(*args, **kwargs):
+        engine = real_make_engine(*args, **kwargs)
+        real_generate = engine.generate
+
+        def generate(prompt_ids, n, max_new_tokens, *rest, **kw):
+            out = real_generate(prompt_ids, n, max_new_tokens, *rest, **kw)
+            if n == 4:  # training rollouts only (evaluation uses n = 2 here)
+                for i, c in enumerate(out):
+                    if i % 2 == 0:
+                        c.token_ids, c.logprobs, c.finish_reason = [engine.eos_ids[0]], [-1.0], "stop"
+                    else:
+                        c.token_ids, c.logprobs, c.finish_reason = [5] * max_new_tokens, [-1.0] * max_new_tokens, "length"
+            return out
+
+        engine.generate = generate
+        return engine
+
+    monkeypatch.setattr(grpo, "make_engine", make_engine)
+    run_in_process(grpo, monkeypatch, tmp_path, "--run-name", "edge", "--total-steps", "2")
+    rows = [r for r in read_metrics(tmp_path / "edge") if "train/reward" in r]
+    assert [r["train/truncation_rate"] for r in rows] == [0.5, 0.5]
+    assert all(r["train/reward"] == 0.0 and math.isfinite(r["train/loss"]) and r["train/skipped_updates"] == 0.0 for r in rows)
+    assert final_weights_are_finite(tmp_path / "edge")
