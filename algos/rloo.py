@@ -61,7 +61,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from common.data import dataset_info, format_prompt, load_problems, prompt_batch, resolve_model_path  # noqa: E402
 from common.evaluate import EvalConfig, evaluate  # noqa: E402
-from common.rollout import RolloutConfig, left_pad, make_engine  # noqa: E402
+from common.rollout import RolloutConfig, left_pad, make_engine, token_logprobs  # noqa: E402
 from common.tracking import Tracker, latest_checkpoint, load_checkpoint, rng_state, save_checkpoint, seed_everything, set_rng_state  # noqa: E402
 from common.verifiers import compute_rewards  # noqa: E402
 
@@ -91,9 +91,9 @@ class Args:
     template: str = ""
     """prompt template: chat, qwen-math, r1-zero, dapo, plain ('' = the dataset's default)"""
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
-    """trainer weight dtype ('auto' = bfloat16 on CUDA, float32 on CPU)"""
+    """trainer weight dtype ('auto' = float32 master weights: bf16 weights drop AdamW updates below their resolution)"""
     mixed_precision: Literal["auto", "no", "bf16"] = "auto"
-    """bf16 autocast of the trainer's forward/backward over fp32 weights ('auto' = on for CPUs with bf16 instructions); rollouts stay in the weights' dtype"""
+    """bf16 autocast of the trainer's forward/backward ('auto' = on for CUDA and bf16-capable CPUs); HF rollouts stay fp32"""
     # rollout
     total_steps: int = 60
     """number of rollout + update steps"""
@@ -128,6 +128,8 @@ class Args:
     """optimiser steps per epoch over the rollout batch"""
     micro_batch_size: int = 64
     """sequences per forward/backward (gradient accumulation; does not change the objective)"""
+    gradient_checkpointing: bool = False
+    """recompute each layer's activations in the backward pass: less memory for ~30% more compute (long completions)"""
     max_bad_steps: int = 5
     """abort after this many consecutive steps with a non-finite loss or gradient (each is skipped)"""
     # ALGO LOGIC: RLOO hyperparameters
@@ -205,23 +207,6 @@ def policy_loss(
     return loss, metrics
 
 
-# SHARED: log-probs of the completion tokens under a model
-def token_logprobs(model, input_ids, attention_mask, completion_width: int, temperature: float, with_entropy: bool = False):
-    """Per-token log-probs (B, T) of the last ``completion_width`` tokens, from fp32 logits / temperature.
-
-    Only the logits of the completion positions are computed (``logits_to_keep``); positions follow the
-    attention mask so left padding matches what the sampler saw.
-    """
-    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, logits_to_keep=completion_width + 1).logits
-    logits = logits[:, :-1].float() / temperature
-    targets = input_ids[:, -completion_width:]
-    logprobs = torch.log_softmax(logits, dim=-1)
-    token_lp = logprobs.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-    entropy = -(logprobs.exp() * logprobs).sum(-1).detach() if with_entropy else None
-    return token_lp, entropy
-
-
 def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> float:
     return ((x * mask).sum() / mask.sum().clamp(min=1)).item()
 
@@ -251,9 +236,9 @@ def main() -> None:
         raise SystemExit(f"{run_dir} already holds a run; pass --resume to continue it or choose another --run-name")
     seed_everything(args.seed + rank)
     device = accelerator.device
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(args.dtype, torch.bfloat16 if device.type == "cuda" else torch.float32)
-    # bf16 matmuls run ~2x faster on CPUs with AVX512-BF16/AMX; weights, optimiser and sampling stay fp32
-    use_bf16 = args.mixed_precision == "bf16" or (args.mixed_precision == "auto" and device.type == "cpu" and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(args.dtype, torch.float32)
+    # bf16 matmuls (GPU tensor cores; ~2x faster on CPUs with AVX512-BF16/AMX); weights and optimiser stay fp32
+    use_bf16 = args.mixed_precision == "bf16" or (args.mixed_precision == "auto" and (torch.cuda.is_bf16_supported() if device.type == "cuda" else torch.ops.mkldnn._is_mkldnn_bf16_supported()))
     autocast = functools.partial(torch.autocast, device.type, dtype=torch.bfloat16, enabled=use_bf16)
     attn = "sdpa" if device.type == "cuda" else "eager"  # CPU: sdpa's bf16 backward is several times slower than eager here
 
@@ -274,6 +259,8 @@ def main() -> None:
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, attn_implementation=attn).to(device)
+    if args.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     ref_model = None
     if args.kl_coef > 0:  # ALGO LOGIC: the frozen reference exists only for the KL term
         ref_model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype, attn_implementation=attn).to(device).eval().requires_grad_(False)

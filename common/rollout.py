@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Literal, Protocol
 
 import torch
+import torch.utils.checkpoint
 
 
 @dataclass
@@ -451,6 +452,40 @@ def make_engine(cfg: RolloutConfig, model: torch.nn.Module, tokenizer, model_pat
     if importlib.util.find_spec("vllm") is None:
         raise RuntimeError("--rollout.backend vllm needs vLLM: pip install -r requirements-gpu.txt")
     return VLLMEngine(cfg, model, tokenizer, model_path, seed, cfg.max_model_len or max_model_len)
+
+
+LOGPROB_CHUNK = 1024  # completion positions per fp32 log-softmax chunk in token_logprobs
+
+
+def token_logprobs(
+    model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, completion_width: int,
+    temperature: float, with_entropy: bool = False, chunk_size: int = LOGPROB_CHUNK,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per-token log-probs (B, T) of each row's last ``completion_width`` tokens, from fp32 logits / temperature.
+
+    The trainer's side of every script (old, reference and current log-probs). Only the completion positions'
+    logits are computed (``logits_to_keep``); positions follow the attention mask, so left padding matches what
+    the sampler saw. The fp32 log-softmax runs ``chunk_size`` positions at a time and, when gradients are on,
+    each chunk is recomputed in the backward pass: the model's own-dtype logits are the only (B, T, vocab) tensor
+    kept, never an fp32 copy and its log-softmax (2 x 4 bytes x B x T x vocab: ~40 GB for 8 x 4k tokens of a
+    152k vocabulary). ``with_entropy`` adds the detached per-token entropy of the same distribution.
+    """
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, logits_to_keep=completion_width + 1).logits[:, :-1]
+    targets = input_ids[:, -completion_width:]
+    recompute = torch.is_grad_enabled() and logits.requires_grad and completion_width > chunk_size
+    parts = []
+    for start in range(0, completion_width, chunk_size):
+        args = (logits[:, start : start + chunk_size], targets[:, start : start + chunk_size], temperature, with_entropy)
+        parts.append(torch.utils.checkpoint.checkpoint(_chunk_logprobs, *args, use_reentrant=False) if recompute else _chunk_logprobs(*args))
+    token_lp = torch.cat([lp for lp, _ in parts], dim=1)
+    return token_lp, (torch.cat([ent for _, ent in parts], dim=1) if with_entropy else None)
+
+
+def _chunk_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    logprobs = torch.log_softmax(logits.float() / temperature, dim=-1)
+    entropy = -(logprobs.exp() * logprobs).sum(-1).detach() if with_entropy else None
+    return logprobs.gather(-1, targets.unsqueeze(-1)).squeeze(-1), entropy
 
 
 def left_pad(sequences: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,5 +1,5 @@
 """The Hugging Face rollout engine: grouping, EOS and finish reasons, per-sample seeds, top-p, and that the
-Gumbel-max sampler draws from softmax(logits / T)."""
+Gumbel-max sampler draws from softmax(logits / T); the trainer's chunked log-probs."""
 
 import math
 
@@ -8,7 +8,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from common.data import TINY_MODEL_DIR, format_prompt
-from common.rollout import HFEngine, RolloutConfig, gumbel_max, make_engine, prompt_seeds, top_p_filter
+from common.rollout import HFEngine, RolloutConfig, gumbel_max, make_engine, prompt_seeds, token_logprobs, top_p_filter
 
 
 @pytest.fixture(scope="module")
@@ -89,3 +89,46 @@ def test_prompt_seeds_and_backend_choice(engine):
         prompt_seeds([1, 2], 3)
     eng, tok = engine
     assert isinstance(make_engine(RolloutConfig(backend="auto"), eng.model, tok, str(TINY_MODEL_DIR), 0, 64), HFEngine)
+
+
+def chunked_vs_whole(model, chunk_size):
+    torch.manual_seed(0)
+    ids = torch.randint(3, 279, (4, 30))
+    mask = torch.ones_like(ids)
+    mask[:2, :3] = 0  # two left-padded rows
+    out = []
+    for size in (1024, chunk_size):
+        model.zero_grad()
+        lp, ent = token_logprobs(model, ids, mask, 20, 0.7, with_entropy=True, chunk_size=size)
+        (lp * torch.linspace(-1, 1, 20)).sum().backward()
+        out.append((lp.detach(), ent, [p.grad.clone() for p in model.parameters()]))
+    return out
+
+
+def test_chunked_logprobs_equal_the_whole_computation(engine):
+    eng, _ = engine
+    (lp1, ent1, g1), (lp2, ent2, g2) = chunked_vs_whole(eng.model, chunk_size=6)
+    assert lp1.shape == (4, 20) and (lp1 <= 0).all()
+    torch.testing.assert_close(lp2, lp1, rtol=0, atol=1e-6)
+    torch.testing.assert_close(ent2, ent1, rtol=0, atol=1e-6)
+    for a, b in zip(g1, g2):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("chunk_size", [1024, 6])
+def test_chunked_logprobs_never_keep_the_fp32_logsoftmax_of_the_batch(engine, chunk_size):
+    """What autograd keeps for the backward pass: (B, T, vocab) log-softmax outputs for all 20 positions without
+    chunks; with chunks only per-chunk slices (views of the model's logits, recomputed from in the backward)."""
+    eng, _ = engine
+    ids, mask = torch.randint(3, 279, (4, 30)), torch.ones(4, 30, dtype=torch.long)
+    vocab = eng.model.config.vocab_size
+    saved = []
+
+    def pack(t):
+        saved.append(tuple(t.shape))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        token_logprobs(eng.model, ids, mask, 20, 1.0, chunk_size=chunk_size)
+    widths = [shape[1] for shape in saved if len(shape) == 3 and shape[-1] == vocab]
+    assert widths and max(widths) == min(20, chunk_size)

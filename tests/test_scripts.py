@@ -96,3 +96,16 @@ def test_refuses_tiny_learning_rate_for_a_hub_model(tmp_path):
         capture_output=True, text=True, timeout=120, env={**os.environ, "HF_HUB_OFFLINE": "1"},
     )
     assert result.returncode != 0 and "--learning-rate is required" in result.stderr
+
+
+@pytest.mark.parametrize("script", ["grpo", "ppo", "prime"])
+def test_gradient_checkpointing_changes_memory_not_the_update(script, tmp_path):
+    """--gradient-checkpointing (policy, and ppo's critic / prime's PRM) gives the same weights after a step (fp32)."""
+    for name, flags in (("plain", []), ("ckpt", ["--gradient-checkpointing"])):
+        run(script, tmp_path, "--run-name", name, "--total-steps", "1", "--eval-every", "10", "--mixed-precision", "no", *flags)
+    plain = load_file(tmp_path / "plain" / "final" / "model.safetensors")
+    ckpt = load_file(tmp_path / "ckpt" / "final" / "model.safetensors")
+    base = load_file(REPO / "common" / "tiny_model" / "model.safetensors")
+    assert max((plain[k] - base[k]).abs().max().item() for k in base) > 1e-6
+    for k in plain:
+        torch.testing.assert_close(ckpt[k], plain[k], rtol=1e-4, atol=1e-7)
