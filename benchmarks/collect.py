@@ -149,6 +149,8 @@ def peer_comparison(runs: list[dict]) -> str:
     lines = []
     for peer_label in sorted({r["label"] for r in runs if r["label"].startswith("trl_")}):
         ours_label = peer_label.removeprefix("trl_")
+        if not any(r["label"] == ours_label for r in runs):  # a peer-only variant (e.g. trl_grpo-sdpa): compare with grpo
+            ours_label = ours_label.split("-")[0]
         pairs = [(by_key[(ours_label, seed)], by_key[(peer_label, seed)]) for (label, seed) in sorted(by_key) if label == peer_label and (ours_label, seed) in by_key]
         if not pairs:
             continue

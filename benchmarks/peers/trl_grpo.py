@@ -36,7 +36,8 @@ Same work as grpo.py (checked against TRL 1.16.0's source, trl/trainer/grpo_trai
   (factor step/warmup from step 0) and reaches full lr one step later than grpo.py; and transformers 5 defaults
   to the fused AdamW.
 * precision: fp32 weights and eager attention, as grpo.py on the CPU; bf16 autocast when grpo.py uses it
-  (--mixed-precision, same flag and default). TRL's bf16=True is accelerate's autocast, which also covers TRL's
+  (--mixed-precision, same flag and default). `--attn-implementation sdpa` gives TRL the kernel transformers
+  picks by default (what a TRL user gets): on this CPU its bf16 backward is several times slower. TRL's bf16=True is accelerate's autocast, which also covers TRL's
   generation (grpo.py samples in fp32), so `--mixed-precision no` on both compares the loops without it.
 * defaults overridden because TRL's differ: learning_rate (1e-6), gradient_checkpointing (True -> False), use_cpu, max_completion_length (512), per_device_train_batch_size (8),
   beta (0), loss_type ("dapo"), save_strategy (checkpoints -> "no"), logging_steps (10 -> 1), report_to none,
@@ -150,6 +151,8 @@ class Args:
     """sequences per forward/backward (TRL's per_device_train_batch_size; the rest is gradient accumulation)"""
     mixed_precision: Literal["auto", "no", "bf16"] = "auto"
     """as grpo.py: bf16 autocast over fp32 weights ('auto' = on for CPUs with bf16 instructions); TRL's bf16 flag"""
+    attn_implementation: str = "eager"
+    """attention kernel: 'eager' as grpo.py on the CPU; 'sdpa' is transformers' default, i.e. what TRL users get"""
     # ALGO LOGIC: GRPO hyperparameters (TRL's epsilon and beta)
     clip_eps: float = 0.2
     """ε, the PPO clip range of the ratio"""
@@ -223,9 +226,9 @@ def main() -> None:
     tokenizer.padding_side = "left"
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
-    # as grpo.py on the CPU: fp32 weights, eager attention (TRL builds the reference model the same way)
+    # as grpo.py on the CPU: fp32 weights, eager attention by default (TRL builds the reference model the same way)
     use_bf16 = args.mixed_precision == "bf16" or (args.mixed_precision == "auto" and torch.ops.mkldnn._is_mkldnn_bf16_supported())
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32, attn_implementation="eager")
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32, attn_implementation=args.attn_implementation)
 
     def trl_prompt(question: str):
         # 'chat' is exactly the tokenizer's chat template over one user turn: let TRL apply it
