@@ -155,10 +155,12 @@ def peer_comparison(runs: list[dict]) -> str:
         if not pairs:
             continue
         step_ratios = [o["s_per_step"] / p["s_per_step"] for o, p in pairs]
+        commits = sorted({r["commit"] for pair in pairs for r in pair})
+        when = "run interleaved in one invocation" if len(commits) == 1 else f"ours and the peer run in separate invocations, commits {', '.join(commits)}"
         reach = [(time_to_reach(o, p["final_mean"]), p["train_wall_s"]) for o, p in pairs]
         reach_ratios = [t / total for t, total in reach if t is not None and total]
         lines += [
-            f"**{ours_label} vs {peer_label}** ({len(pairs)} seed pairs, run interleaved in one invocation): "
+            f"**{ours_label} vs {peer_label}** ({len(pairs)} seed pairs, {when}): "
             f"s/step {mean_std([o['s_per_step'] for o, _ in pairs], 3)} vs {mean_std([p['s_per_step'] for _, p in pairs], 3)}, "
             f"ratio {mean_std(step_ratios, 2)} (per seed: {', '.join(f'{x:.2f}' for x in step_ratios)}); "
             f"final mean@{pairs[0][0]['n']} {mean_std([o['final_mean'] for o, _ in pairs])} vs {mean_std([p['final_mean'] for _, p in pairs])}; "

@@ -122,7 +122,8 @@ class HFEngine:
         logprobs = torch.zeros((batch, max_new_tokens), device=device)
         active = torch.arange(batch, device=device)  # rows still decoding, in the order the cache holds them
         vocab = logits.shape[-1]
-        chunk = max(1, min(max_new_tokens, NOISE_BUDGET // (batch * vocab)))  # decode steps of noise drawn at once
+        # decode steps of noise drawn at once: a few at a time, since most samples stop long before the token budget
+        chunk = max(1, min(max_new_tokens, NOISE_CHUNK_STEPS, NOISE_BUDGET // (batch * vocab)))
         for step in range(max_new_tokens):
             if temperature > 0:
                 if step % chunk == 0:  # each sample's own stream: (batch, chunk, vocab) uniforms
@@ -162,6 +163,7 @@ class HFEngine:
 
 
 NOISE_BUDGET = 2**25  # floats of sampling noise held at once (128 MiB)
+NOISE_CHUNK_STEPS = 16  # decode steps of noise per draw
 
 
 def gumbel_max(logits: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
