@@ -8,6 +8,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from common.data import TINY_MODEL_DIR, format_prompt
 from common.rollout import HFEngine, left_pad
+from loss_checks import assert_micro_batches_accumulate, assert_padding_changes_nothing, random_batch
 
 
 def test_advantages_hand_values(grpo):
@@ -46,19 +47,10 @@ def test_aggregation_is_per_sequence_token_mean(grpo):
 def test_padding_changes_nothing(grpo):
     torch.manual_seed(0)
     lp0 = torch.randn(3, 5)
-    old = lp0 + 0.1 * torch.randn(3, 5)
-    adv = torch.randn(3)
-    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]])
-    lp_a = lp0.clone().requires_grad_()
-    loss_a, _ = grpo.policy_loss(lp_a, old, adv, mask, kl_coef=0.1, ref_logprobs=old - 0.05)
-    loss_a.backward()
-    garbage = (1 - mask) * 50.0  # rewrite every padded position
-    lp_b = (lp0 + garbage).requires_grad_()
-    loss_b, _ = grpo.policy_loss(lp_b, old - garbage, adv, mask, kl_coef=0.1, ref_logprobs=old - 0.05 + garbage)
-    loss_b.backward()
-    assert loss_a.item() == pytest.approx(loss_b.item(), abs=1e-6)
-    assert torch.allclose(lp_a.grad, lp_b.grad)
-    assert torch.all(lp_a.grad[mask == 0] == 0)
+    old, adv = lp0 + 0.1 * torch.randn(3, 5), torch.randn(3)
+    ref = old - 0.05  # the KL term's reference log-probs are rewritten at the padded positions too
+    loss = lambda lp, o, a, m, shift: grpo.policy_loss(lp, o, a, m, kl_coef=0.1, ref_logprobs=ref + shift)
+    assert_padding_changes_nothing(loss, lp0, old, adv, torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]]))
 
 
 @pytest.mark.parametrize(
@@ -104,17 +96,12 @@ def test_k3_kl_value_and_gradient(grpo):
 
 
 def test_micro_batches_accumulate_to_the_minibatch_gradient(grpo):
-    torch.manual_seed(1)
-    lp0, adv = torch.randn(4, 6), torch.randn(4)
-    old = lp0 + 0.3 * torch.randn(4, 6)
-    mask = (torch.rand(4, 6) > 0.3).long()
-    mask[:, 0] = 1
-    whole = lp0.clone().requires_grad_()
-    grpo.policy_loss(whole, old, adv, mask)[0].backward()
-    parts = lp0.clone().requires_grad_()
-    for rows in (slice(0, 1), slice(1, 4)):
-        grpo.policy_loss(parts[rows], old[rows], adv[rows], mask[rows], num_sequences=4)[0].backward()
-    assert torch.allclose(whole.grad, parts.grad, atol=1e-7)
+    lp0, old, adv, mask = random_batch()
+    assert_micro_batches_accumulate(
+        lambda lp: grpo.policy_loss(lp, old, adv, mask)[0],
+        lambda lp, rows: grpo.policy_loss(lp[rows], old[rows], adv[rows], mask[rows], num_sequences=4)[0],
+        lp0, (slice(0, 1), slice(1, 4)),
+    )
 
 
 @pytest.fixture(scope="module")

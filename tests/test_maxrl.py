@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from conftest import load_algo
+from loss_checks import assert_micro_batches_accumulate, assert_padding_changes_nothing, random_batch
 
 
 @pytest.fixture(scope="module")
@@ -115,35 +116,21 @@ def test_off_policy_ratio_is_not_clipped(maxrl):
 def test_padding_changes_nothing(maxrl):
     torch.manual_seed(0)
     lp0, adv = torch.randn(3, 5), torch.randn(3)
-    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]])
-    lp_a = lp0.clone().requires_grad_()
-    loss_a, _ = maxrl.policy_loss(lp_a, lp0, adv, mask)
-    loss_a.backward()
-    garbage = (1 - mask) * 50.0
-    lp_b = (lp0 + garbage).requires_grad_()
-    loss_b, _ = maxrl.policy_loss(lp_b, lp0 - garbage, adv, mask)
-    loss_b.backward()
-    assert loss_a.item() == pytest.approx(loss_b.item(), abs=1e-6)
-    assert torch.allclose(lp_a.grad, lp_b.grad)
-    assert torch.all(lp_b.grad[mask == 0] == 0)
+    assert_padding_changes_nothing(lambda lp, o, a, m, shift: maxrl.policy_loss(lp, o, a, m), lp0, lp0, adv, torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]]))
 
 
 def test_micro_batches_accumulate_to_the_minibatch_gradient(maxrl):
-    torch.manual_seed(1)
-    lp0, adv = torch.randn(4, 6), torch.randn(4)
-    mask = (torch.rand(4, 6) > 0.3).long()
-    mask[:, 0] = 1
-    whole = lp0.clone().requires_grad_()
-    maxrl.policy_loss(whole, lp0, adv, mask)[0].backward()
-    parts = lp0.clone().requires_grad_()
-    for rows in (slice(0, 1), slice(1, 4)):
-        maxrl.policy_loss(parts[rows], lp0[rows], adv[rows], mask[rows], num_tokens=mask.sum())[0].backward()
-    assert torch.allclose(whole.grad, parts.grad, atol=1e-7)
+    lp0, _, adv, mask = random_batch()
+    whole_grad = assert_micro_batches_accumulate(
+        lambda lp: maxrl.policy_loss(lp, lp0, adv, mask)[0],
+        lambda lp, rows: maxrl.policy_loss(lp[rows], lp0[rows], adv[rows], mask[rows], num_tokens=mask.sum())[0],
+        lp0, (slice(0, 1), slice(1, 4)),
+    )
     # without the mini-batch normaliser the micro-batches would weigh their tokens differently
     wrong = lp0.clone().requires_grad_()
     for rows in (slice(0, 1), slice(1, 4)):
         maxrl.policy_loss(wrong[rows], lp0[rows], adv[rows], mask[rows])[0].backward()
-    assert not torch.allclose(whole.grad, wrong.grad, atol=1e-4)
+    assert not torch.allclose(whole_grad, wrong.grad, atol=1e-4)
 
 
 def test_script_defaults_and_refuses_batch_reuse(maxrl, monkeypatch):

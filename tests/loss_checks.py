@@ -1,0 +1,43 @@
+"""Property checks every policy loss must pass, shared by the per-algorithm tests."""
+
+import pytest
+import torch
+
+
+def assert_padding_changes_nothing(loss_fn, lp0: torch.Tensor, old: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor, garbage: float = 50.0):
+    """Rewriting every padded position changes neither the loss, its metrics, nor the gradient, and padded
+    positions get zero gradient. ``loss_fn(logprobs, old_logprobs, adv, mask, shift) -> (loss, metrics)``; ``shift``
+    is what was added to the padded positions (zeros for the clean call), for any further per-token input."""
+    lp_a = lp0.clone().requires_grad_()
+    loss_a, metrics_a = loss_fn(lp_a, old, adv, mask, torch.zeros_like(lp0))
+    loss_a.backward()
+    shift = (1 - mask) * garbage
+    lp_b = (lp0 + shift).requires_grad_()
+    loss_b, metrics_b = loss_fn(lp_b, old - shift, adv, mask, shift)
+    loss_b.backward()
+    assert loss_a.item() == pytest.approx(loss_b.item(), abs=1e-6)
+    assert metrics_a == pytest.approx(metrics_b, abs=1e-6)
+    assert torch.allclose(lp_a.grad, lp_b.grad)
+    assert torch.all(lp_a.grad[mask == 0] == 0)
+
+
+def assert_micro_batches_accumulate(whole_loss, part_loss, lp0: torch.Tensor, splits) -> torch.Tensor:
+    """Micro-batch losses (``part_loss(logprobs, rows)``, each normalised by the mini-batch) accumulate to the
+    gradient of the whole mini-batch's loss (``whole_loss(logprobs)``); returns that gradient."""
+    whole = lp0.clone().requires_grad_()
+    whole_loss(whole).backward()
+    parts = lp0.clone().requires_grad_()
+    for rows in splits:
+        part_loss(parts, rows).backward()
+    assert torch.allclose(whole.grad, parts.grad, atol=1e-7)
+    return whole.grad
+
+
+def random_batch(seed: int = 1, shape=(4, 6), old_noise: float = 0.3):
+    """(logprobs, old_logprobs, advantages, mask) with every row holding at least one valid token."""
+    torch.manual_seed(seed)
+    lp0, adv = torch.randn(*shape), torch.randn(shape[0])
+    old = lp0 + old_noise * torch.randn(*shape)
+    mask = (torch.rand(*shape) > 0.3).long()
+    mask[:, 0] = 1
+    return lp0, old, adv, mask
