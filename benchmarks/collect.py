@@ -59,15 +59,20 @@ def read_run(run_dir: Path) -> dict | None:
         "response_len": at(last, "response_len"), "right_len_chars": right_len, "wrong_len_chars": wrong_len,
         "train_wall_s": train_rows[-1].get("time/elapsed_s"), "run_wall_s": record["wall_s"],
         "s_per_step": statistics.median(r["time/step_s"] for r in train_rows),  # median: robust to the warm-up step
-        "rollout_s": statistics.median(r["time/rollout_s"] for r in train_rows),
-        "logprob_s": statistics.median(r["time/old_logprobs_s"] for r in train_rows) if "time/old_logprobs_s" in train_rows[-1] else None,
-        "update_s": statistics.median(r["time/train_s"] for r in train_rows),
+        "rollout_s": median_of(train_rows, "time/rollout_s"), "logprob_s": median_of(train_rows, "time/old_logprobs_s"),
+        "update_s": median_of(train_rows, "time/train_s", "time/critic_s", "time/prm_s"),  # ppo's critic, prime's PRM updates count
         "group_size": config.get("group_size"), "max_new_tokens": config.get("max_new_tokens"),
         "gen_tok_s": statistics.mean(r["time/tokens_per_s"] for r in train_rows),
         "peak_mem_gb": max(r.get("memory/peak_rss_gb", 0.0) for r in train_rows),
         "n": n, "k": max(ks), "hardware": config.get("hardware", ""), "commit": str(record.get("git_commit") or "")[:10],
         "dirty": record.get("git_dirty"), "command": record["command"], "rows": rows, "eval_prefix": prefix,
     }
+
+
+def median_of(rows: list[dict], *keys: str) -> float | None:
+    """Median over steps of the sum of ``keys`` (those a run logs); None if it logs none of them."""
+    present = [k for k in keys if k in rows[-1]]
+    return statistics.median(sum(r.get(k, 0.0) for k in present) for r in rows) if present else None
 
 
 def sample_lengths(run_dir: Path, steps: int) -> tuple[float | None, float | None]:
@@ -157,8 +162,9 @@ def peer_comparison(runs: list[dict]) -> str:
         step_ratios = [o["s_per_step"] / p["s_per_step"] for o, p in pairs]
         commits = sorted({r["commit"] for pair in pairs for r in pair})
         when = "run interleaved in one invocation" if len(commits) == 1 else f"ours and the peer run in separate invocations, commits {', '.join(commits)}"
-        reach = [(time_to_reach(o, p["final_mean"]), p["train_wall_s"]) for o, p in pairs]
-        reach_ratios = [t / total for t, total in reach if t is not None and total]
+        # both sides timed to the FIRST evaluation at the peer's final accuracy (the peer may have got there early)
+        reach = [(time_to_reach(o, p["final_mean"]), time_to_reach(p, p["final_mean"])) for o, p in pairs]
+        reach_ratios = [ours / peer for ours, peer in reach if ours is not None and peer]
         lines += [
             f"**{ours_label} vs {peer_label}** ({len(pairs)} seed pairs, {when}): "
             f"s/step {mean_std([o['s_per_step'] for o, _ in pairs], 3)} vs {mean_std([p['s_per_step'] for _, p in pairs], 3)}, "

@@ -120,7 +120,8 @@ class HFEngine:
         eos = torch.tensor(self.eos_ids, device=device)
         tokens = torch.full((batch, max_new_tokens), -1, dtype=torch.long, device=device)
         logprobs = torch.zeros((batch, max_new_tokens), device=device)
-        active = torch.arange(batch, device=device)  # rows still decoding, in the order the cache holds them
+        active = torch.arange(batch, device=device)  # rows still in the decode batch, in the order the cache holds them
+        finished = torch.zeros(batch, dtype=torch.bool, device=device)  # rows that have emitted EOS (by original row)
         vocab = logits.shape[-1]
         # decode steps of noise drawn at once: a few at a time, since most samples stop long before the token budget
         chunk = max(1, min(max_new_tokens, NOISE_CHUNK_STEPS, NOISE_BUDGET // (batch * vocab)))
@@ -134,7 +135,8 @@ class HFEngine:
                 next_tokens = logits.argmax(-1)
             tokens[active, step] = next_tokens
             logprobs[active, step] = torch.log_softmax(logits, -1).gather(-1, next_tokens[:, None]).squeeze(-1)
-            done = torch.isin(next_tokens, eos)
+            finished[active] |= torch.isin(next_tokens, eos)
+            done = finished[active]
             if done.all() or step == max_new_tokens - 1:
                 break
             attention_mask = torch.cat([attention_mask, torch.ones_like(attention_mask[:, :1])], dim=1)
@@ -440,9 +442,9 @@ def vllm_available() -> bool:
 
 def make_engine(cfg: RolloutConfig, model: torch.nn.Module, tokenizer, model_path: str, seed: int, max_model_len: int) -> Engine:
     """Build the engine ``cfg.backend`` asks for ('auto': vLLM on a CUDA machine with vllm installed)."""
-    if any(hasattr(p, "full_tensor") for p in model.parameters()):
+    if any(hasattr(p, "full_tensor") for p in model.parameters()) or any(type(m).__name__ == "FullyShardedDataParallel" for m in model.modules()):
         raise RuntimeError(
-            "the policy's parameters are FSDP shards (DTensor): the scripts do not support FSDP yet. Their checkpoints "
+            "the policy is FSDP-sharded (FSDP1 modules or FSDP2 DTensors): the scripts do not support FSDP yet. Their checkpoints "
             "save the main process's state_dict and the HF engine would decode a different number of steps per rank "
             "(a deadlock in FSDP's all-gathers). Use DDP (scripts/accelerate/multi_gpu.yaml); see README 'Scaling out'."
         )
@@ -463,11 +465,12 @@ def token_logprobs(
     model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, completion_width: int,
     temperature: float, with_entropy: bool = False, chunk_size: int = LOGPROB_CHUNK,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Per-token log-probs (B, T) of each row's last ``completion_width`` tokens, from fp32 logits / temperature.
+    """Per-token log-probs (B, T) of each row's last ``completion_width`` tokens: fp32 log-softmax of logits / T.
 
-    The trainer's side of every script (old, reference and current log-probs). Only the completion positions'
-    logits are computed (``logits_to_keep``); positions follow the attention mask, so left padding matches what
-    the sampler saw. The fp32 log-softmax runs ``chunk_size`` positions at a time and, when gradients are on,
+    The trainer's side of every script (old, reference and current log-probs). The logits are the model's own
+    (bf16-rounded under bf16 autocast or bf16 weights); the softmax, log and gather run in fp32. Only the
+    completion positions' logits are computed (``logits_to_keep``); positions follow the attention mask, so left
+    padding matches what the sampler saw. The fp32 log-softmax runs ``chunk_size`` positions at a time and, when gradients are on,
     each chunk is recomputed in the backward pass: the model's own-dtype logits are the only (B, T, vocab) tensor
     kept, never an fp32 copy and its log-softmax (2 x 4 bytes x B x T x vocab: ~40 GB for 8 x 4k tokens of a
     152k vocabulary). ``with_entropy`` adds the detached per-token entropy of the same distribution.

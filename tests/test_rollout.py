@@ -132,3 +132,30 @@ def test_chunked_logprobs_never_keep_the_fp32_logsoftmax_of_the_batch(engine, ch
         token_logprobs(eng.model, ids, mask, 20, 1.0, chunk_size=chunk_size)
     widths = [shape[1] for shape in saved if len(shape) == 3 and shape[-1] == vocab]
     assert widths and max(widths) == min(20, chunk_size)
+    if chunk_size < 20:  # recomputed chunks keep only their input slice (a view of the logits), one per chunk
+        assert len(widths) == math.ceil(20 / chunk_size)
+
+
+def test_decoding_stops_when_every_sample_has_finished(engine):
+    """Rows that emitted EOS stay finished: the loop runs exactly as many decode steps as the longest sample needs,
+    and dropped rows are never decoded again."""
+    eng, tok = engine
+    rows_per_call, eos = [], tok.eos_token_id
+
+    def never_eos_twice(module, args, kwargs, output):  # a model that, once it has said EOS, never says it again
+        rows_per_call.append(kwargs["input_ids"].shape)
+        output.logits[kwargs["input_ids"][:, -1] == eos, -1, eos] = float("-inf")
+        return output
+
+    hook = eng.model.register_forward_hook(never_eos_twice, with_kwargs=True)
+    try:
+        out = eng.generate(prompts(tok) * 2, n=8, max_new_tokens=40, temperature=1.5, top_p=1.0, seed=3)
+    finally:
+        hook.remove()
+    assert sum(c.finish_reason == "stop" for c in out) > len(out) // 2
+    decode_calls = rows_per_call[1:]  # the first call is the prefill of the distinct prompts
+    assert len(decode_calls) == max(len(c.token_ids) for c in out) - 1
+    # each decode call holds only rows still running, plus at most the finished ones waiting to be dropped
+    for step, shape in enumerate(decode_calls, start=1):
+        running = sum(len(c.token_ids) > step for c in out)
+        assert running <= shape[0] < running + max(1, shape[0] // 4) + 1
