@@ -300,7 +300,8 @@ def main() -> None:
     device = accelerator.device
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}.get(args.dtype, torch.float32)
     # bf16 matmuls (GPU tensor cores; ~2x faster on CPUs with AVX512-BF16/AMX); weights and optimiser stay fp32
-    use_bf16 = args.mixed_precision == "bf16" or (args.mixed_precision == "auto" and (torch.cuda.is_bf16_supported() if device.type == "cuda" else torch.ops.mkldnn._is_mkldnn_bf16_supported()))
+    native_bf16 = torch.cuda.is_bf16_supported() if device.type == "cuda" else torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+    use_bf16 = args.mixed_precision == "bf16" or (args.mixed_precision == "auto" and native_bf16)
     autocast = functools.partial(torch.autocast, device.type, dtype=torch.bfloat16, enabled=use_bf16)
     attn = "sdpa" if device.type == "cuda" else "eager"  # CPU: sdpa's bf16 backward is several times slower than eager here
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import REPO
+from conftest import REPO, load_algo
 
 SCRIPTS = sorted(p.stem for p in (REPO / "algos").glob("*.py"))
 SMALL = [
@@ -109,3 +109,19 @@ def test_gradient_checkpointing_changes_memory_not_the_update(script, tmp_path):
     assert max((plain[k] - base[k]).abs().max().item() for k in base) > 1e-6
     for k in plain:
         torch.testing.assert_close(ckpt[k], plain[k], rtol=1e-4, atol=1e-7)
+
+
+def test_gradient_checkpointing_flag_reaches_every_trained_model(tmp_path, monkeypatch):
+    """ppo.py --gradient-checkpointing turns it on for the policy and for the critic (in-process, 1 step)."""
+    from transformers import PreTrainedModel
+
+    enabled, real = [], PreTrainedModel.gradient_checkpointing_enable
+
+    def record(self, *args, **kwargs):
+        enabled.append(type(self).__name__)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(PreTrainedModel, "gradient_checkpointing_enable", record)
+    monkeypatch.setattr(sys, "argv", ["ppo.py", "--output-dir", str(tmp_path), *SMALL, "--eval-every", "100", "--total-steps", "1", "--gradient-checkpointing"])
+    load_algo("ppo").main()
+    assert sorted(enabled) == ["Qwen2ForCausalLM", "Qwen2ForTokenClassification"]

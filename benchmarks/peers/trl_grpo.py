@@ -227,7 +227,7 @@ def main() -> None:
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     # as grpo.py on the CPU: fp32 weights, eager attention by default (TRL builds the reference model the same way)
-    use_bf16 = args.mixed_precision == "bf16" or (args.mixed_precision == "auto" and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    use_bf16 = args.mixed_precision == "bf16" or (args.mixed_precision == "auto" and (torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()))
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32, attn_implementation=args.attn_implementation)
 
     def trl_prompt(question: str):
