@@ -208,6 +208,7 @@ def scaling(runs: list[dict], out: Path) -> str:
         ax.set_xlabel(name)
         ax.set_ylabel("s/step")
         ax.set_xscale("log", base=2)
+        ax.set_ylim(bottom=0)  # from zero: single runs vary ±30%, a zoomed axis would turn noise into a trend
         ax.set_title(f"grpo.py s/step vs {name} ({'max new tokens' if vary == 0 else 'group size'} {fixed})")
         ax.grid(alpha=0.3)
     fig.tight_layout()
