@@ -35,7 +35,7 @@ class RolloutConfig:
     backend: Literal["auto", "hf", "vllm"] = "auto"
     """'auto' = vLLM when CUDA and vllm are available, else the Hugging Face engine"""
     hf_max_batch: int = 512
-    """HF engine: largest number of sequences per ``generate`` call (lower it to save memory)"""
+    """HF engine: most sequences decoded at once (lower it to save memory; one prompt's whole group always goes together)"""
     gpu_memory_utilization: float = 0.35
     """vLLM: fraction of GPU memory for weights + KV cache (the trainer shares the GPU)"""
     vllm_dtype: str = "auto"
