@@ -1,4 +1,4 @@
-"""Property checks every policy loss must pass, shared by the per-algorithm tests."""
+"""Property checks every policy loss must pass, and a two-rank stand-in, shared by the per-algorithm tests."""
 
 import pytest
 import torch
@@ -41,3 +41,29 @@ def random_batch(seed: int = 1, shape=(4, 6), old_noise: float = 0.3):
     mask = (torch.rand(*shape) > 0.3).long()
     mask[:, 0] = 1
     return lp0, old, adv, mask
+
+
+def on_two_fake_ranks(fn, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``fn(x_half, mask_half, all_reduce)`` run by two threads standing in for two ranks, each holding half the
+    rows and exchanging sums through a barrier-backed ``all_reduce``; returns both halves' outputs, concatenated."""
+    import threading
+
+    half = x.shape[0] // 2
+    barrier, slots, out = threading.Barrier(2), [None, None], [None, None]
+
+    def rank(r: int):
+        def all_reduce(t):
+            slots[r] = t.clone()
+            barrier.wait()
+            total = slots[0] + slots[1]
+            barrier.wait()
+            return total
+
+        out[r] = fn(x[half * r : half * (r + 1)], mask[half * r : half * (r + 1)], all_reduce)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return torch.cat(out)

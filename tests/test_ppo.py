@@ -1,7 +1,6 @@
 """PPO (critic, GAE, clipped value loss) against hand-derived values and properties (reference §2(g), §9 items 10-11)."""
 
 import math
-import threading
 from types import SimpleNamespace
 
 import pytest
@@ -11,6 +10,7 @@ from transformers import AutoConfig, AutoModelForTokenClassification, AutoTokeni
 from common.data import TINY_MODEL_DIR, format_prompt
 from common.rollout import left_pad
 from conftest import load_algo
+from loss_checks import on_two_fake_ranks
 
 
 @pytest.fixture(scope="module")
@@ -93,23 +93,9 @@ def test_whitening_statistics_span_processes(ppo):
     torch.manual_seed(0)
     x, mask = torch.randn(6, 5), (torch.rand(6, 5) > 0.3).long()
     whole = ppo.masked_whiten(x, mask)
-    barrier, slots, out = threading.Barrier(2), [None, None], [None, None]
-
-    def rank(r: int):
-        def all_reduce(t):
-            slots[r] = t.clone()
-            barrier.wait()
-            total = slots[0] + slots[1]
-            barrier.wait()
-            return total
-
-        out[r] = ppo.masked_whiten(x[3 * r : 3 * r + 3], mask[3 * r : 3 * r + 3], all_reduce)
-
-    threads = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
-    [t.start() for t in threads]
-    [t.join() for t in threads]
-    assert torch.allclose(torch.cat(out), whole, atol=1e-6)
-    assert not torch.allclose(out[0], ppo.masked_whiten(x[:3], mask[:3]), atol=1e-3)  # local stats would differ
+    out = on_two_fake_ranks(ppo.masked_whiten, x, mask)
+    assert torch.allclose(out, whole, atol=1e-6)
+    assert not torch.allclose(out[:3], ppo.masked_whiten(x[:3], mask[:3]), atol=1e-3)  # local stats would differ
 
 
 # ---------------------------------------------------------------- value loss

@@ -1,7 +1,6 @@
 """PRIME (implicit PRM, leave-one-out advantages, prompt filter) against hand-derived values (reference notes §3.8)."""
 
 import math
-import threading
 
 import pytest
 import torch
@@ -10,6 +9,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from common.data import TINY_MODEL_DIR, format_prompt
 from common.rollout import left_pad
 from conftest import load_algo
+from loss_checks import on_two_fake_ranks
 
 
 @pytest.fixture(scope="module")
@@ -183,22 +183,8 @@ def test_whitening_statistics_span_processes(prime):
     torch.manual_seed(0)
     x, mask = torch.randn(6, 5), (torch.rand(6, 5) > 0.3).long()
     whole = prime.masked_whiten(x, mask)
-    barrier, slots, out = threading.Barrier(2), [None, None], [None, None]
-
-    def rank(r: int):
-        def all_reduce(t):
-            slots[r] = t.clone()
-            barrier.wait()
-            total = slots[0] + slots[1]
-            barrier.wait()
-            return total
-
-        out[r] = prime.masked_whiten(x[3 * r : 3 * r + 3], mask[3 * r : 3 * r + 3], all_reduce)
-
-    threads = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
-    [t.start() for t in threads]
-    [t.join() for t in threads]
-    assert torch.allclose(torch.cat(out), whole, atol=1e-6)
+    out = on_two_fake_ranks(prime.masked_whiten, x, mask)
+    assert torch.allclose(out, whole, atol=1e-6)
 
 
 # ---------------------------------------------------------------- prompt filter
