@@ -138,6 +138,16 @@ def table(runs: list[dict], suite: str) -> str:
     return "\n".join(lines)
 
 
+def pyplot():
+    """matplotlib.pyplot on the file-only Agg back end (imported late: collecting a CSV needs no plotting)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
 def time_to_reach(run: dict, target: float) -> float | None:
     """Train wall-clock (s) at the first evaluation where held-out mean@n reaches ``target`` (None if never)."""
     clock = {row["step"]: row["time/elapsed_s"] for row in run["rows"] if "time/elapsed_s" in row}
@@ -195,10 +205,7 @@ def scaling(runs: list[dict], out: Path) -> str:
             f"| {mean_std([r['update_s'] for r in group], 2)} | {mean_std([r['response_len'] for r in group], 1)} "
             f"| {mean_std([r['gen_tok_s'] for r in group], 0)} | {len(group)} |"
         )
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     default_g, default_t = 8, 40
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
@@ -234,10 +241,7 @@ def series(rs: list[dict], key: str, x: str = "step") -> tuple[list[float], list
 
 
 def plot(runs: list[dict], out: Path, suite: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     by_label = defaultdict(list)
     for r in runs:
