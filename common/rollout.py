@@ -18,6 +18,7 @@ top-p, i.e. of the distribution the token was actually drawn from), and a finish
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 import random
@@ -40,6 +41,8 @@ class RolloutConfig:
     """vLLM: fraction of GPU memory for weights + KV cache (the trainer shares the GPU)"""
     vllm_dtype: str = "auto"
     """vLLM: weight dtype ('auto' follows the checkpoint; 'float32' matches the CPU trainer exactly)"""
+    vllm_head_dtype: str = "float32"
+    """vLLM: dtype of the LM head's matmul ('float32' = as the trainer's token_logprobs; 'model' = the weights' dtype)"""
     max_model_len: int = 0
     """vLLM: context length (0 = prompt budget + max_new_tokens, computed by the script)"""
     enable_sleep_mode: bool = False
@@ -248,6 +251,7 @@ class VLLMEngine:
                 enforce_eager=cfg.enforce_eager,
                 enable_sleep_mode=self.sleep_enabled,
                 logprobs_mode="processed_logprobs",
+                hf_overrides={"head_dtype": cfg.vllm_head_dtype},  # vLLM >= 0.32 honours it for generation models
                 **kwargs,
             )
         finally:
@@ -458,36 +462,71 @@ def make_engine(cfg: RolloutConfig, model: torch.nn.Module, tokenizer, model_pat
     return VLLMEngine(cfg, model, tokenizer, model_path, seed, cfg.max_model_len or max_model_len)
 
 
-LOGPROB_CHUNK = 1024  # completion positions per fp32 log-softmax chunk in token_logprobs
+LOGPROB_CHUNK = 1024  # completion positions per LM-head + log-softmax chunk in token_logprobs
+# config fields (of the text config) through which an architecture post-processes its logits after the LM head
+LOGIT_POSTPROCESSING = ("final_logit_softcapping", "logit_scale", "logits_scaling")
 
 
 def token_logprobs(
     model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, completion_width: int,
-    temperature: float, with_entropy: bool = False, chunk_size: int = LOGPROB_CHUNK,
+    temperature: float, with_entropy: bool = False, chunk_size: int = LOGPROB_CHUNK, fp32_head: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token log-probs (B, T) of each row's last ``completion_width`` tokens: fp32 log-softmax of logits / T.
 
-    The trainer's side of every script (old, reference and current log-probs). The logits are the model's own
-    (bf16-rounded under bf16 autocast or bf16 weights); the softmax, log and gather run in fp32. Only the
-    completion positions' logits are computed (``logits_to_keep``); positions follow the attention mask, so left
-    padding matches what the sampler saw. The fp32 log-softmax runs ``chunk_size`` positions at a time and, when gradients are on,
-    each chunk is recomputed in the backward pass: the model's own-dtype logits are the only (B, T, vocab) tensor
-    kept, never an fp32 copy and its log-softmax (2 x 4 bytes x B x T x vocab: ~40 GB for 8 x 4k tokens of a
-    152k vocabulary). ``with_entropy`` adds the detached per-token entropy of the same distribution.
+    The trainer's side of every script (old, reference and current log-probs). The model runs once (through any
+    DDP wrapper) and its final hidden states are taken from the decoder; the LM head and the log-softmax then run
+    ``chunk_size`` completion positions at a time and, when gradients are on, are recomputed per chunk in the
+    backward pass, so no (B, T, vocab) tensor is ever kept: not the logits, not their log-softmax (in fp32,
+    2 x 4 bytes x B x T x vocab: ~40 GB for 8 x 4k tokens of a 152k vocabulary).
+
+    ``fp32_head``: the LM head's matmul runs in fp32 (fp32 hidden states and weights, autocast off) even when the
+    body runs under bf16 autocast; off, it runs in the caller's autocast dtype. A bf16 head is the main source of
+    the sampler/trainer log-prob gap (MiniMax-M1 §3.3, ScaleRL); vLLM's side is ``RolloutConfig.fp32_lm_head``.
+    Architectures that post-process logits (softcapping, logit scales: ``LOGIT_POSTPROCESSING``) use the model's own
+    logits instead. Positions follow the attention mask, so left padding matches what the sampler saw.
+    ``with_entropy`` adds the detached per-token entropy of the same distribution.
     """
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, logits_to_keep=completion_width + 1).logits[:, :-1]
     targets = input_ids[:, -completion_width:]
-    recompute = torch.is_grad_enabled() and logits.requires_grad and completion_width > chunk_size
+    inner = _unwrap_model(model)
+    text_config = inner.config.get_text_config()
+    if any(getattr(text_config, name, None) not in (None, 1, 1.0) for name in LOGIT_POSTPROCESSING):
+        logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, logits_to_keep=completion_width + 1).logits[:, :-1]
+        return _chunked(_logprobs_from_logits, logits, targets, temperature, with_entropy, chunk_size)
+    hidden = []  # the decoder's output, caught on the way through the full model's forward (and any wrapper's)
+    hook = inner.get_decoder().register_forward_hook(lambda module, args, output: hidden.append(getattr(output, "last_hidden_state", None) if not isinstance(output, tuple) else output[0]))
+    try:
+        model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, logits_to_keep=1)
+    finally:
+        hook.remove()
+    head = inner.get_output_embeddings()
+    head_fn = functools.partial(_logprobs_from_hidden, weight=head.weight, bias=head.bias, fp32_head=fp32_head)
+    return _chunked(head_fn, hidden[-1][:, -completion_width - 1 : -1], targets, temperature, with_entropy, chunk_size)
+
+
+def _chunked(fn, inputs: torch.Tensor, targets: torch.Tensor, temperature: float, with_entropy: bool, chunk_size: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Apply ``fn`` to ``chunk_size`` positions at a time, each chunk recomputed in the backward pass when gradients are on."""
+    recompute = torch.is_grad_enabled() and inputs.requires_grad
     parts = []
-    for start in range(0, completion_width, chunk_size):
-        args = (logits[:, start : start + chunk_size], targets[:, start : start + chunk_size], temperature, with_entropy)
-        parts.append(torch.utils.checkpoint.checkpoint(_chunk_logprobs, *args, use_reentrant=False) if recompute else _chunk_logprobs(*args))
+    for start in range(0, targets.shape[1], chunk_size):
+        args = (inputs[:, start : start + chunk_size], targets[:, start : start + chunk_size], temperature, with_entropy)
+        parts.append(torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False) if recompute else fn(*args))
     token_lp = torch.cat([lp for lp, _ in parts], dim=1)
     return token_lp, (torch.cat([ent for _, ent in parts], dim=1) if with_entropy else None)
 
 
-def _chunk_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _logprobs_from_hidden(
+    hidden: torch.Tensor, targets: torch.Tensor, temperature: float, with_entropy: bool, weight: torch.Tensor, bias: torch.Tensor | None, fp32_head: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    if fp32_head:
+        with torch.autocast(hidden.device.type, enabled=False):
+            logits = torch.nn.functional.linear(hidden.float(), weight.float(), None if bias is None else bias.float())
+    else:
+        logits = torch.nn.functional.linear(hidden, weight, bias)
+    return _logprobs_from_logits(logits, targets, temperature, with_entropy)
+
+
+def _logprobs_from_logits(logits: torch.Tensor, targets: torch.Tensor, temperature: float, with_entropy: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
     logprobs = torch.log_softmax(logits.float() / temperature, dim=-1)
     entropy = -(logprobs.exp() * logprobs).sum(-1).detach() if with_entropy else None
     return logprobs.gather(-1, targets.unsqueeze(-1)).squeeze(-1), entropy
