@@ -61,7 +61,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from common.data import dataset_info, format_prompt, load_problems, prompt_batch, resolve_model_path  # noqa: E402
 from common.evaluate import EvalConfig, evaluate  # noqa: E402
-from common.rollout import RolloutConfig, left_pad, make_engine, token_logprobs  # noqa: E402
+from common.rollout import RolloutConfig, left_pad, make_engine, token_logprobs, token_logprobs_batched  # noqa: E402
 from common.tracking import Tracker, latest_checkpoint, load_checkpoint, rng_state, save_checkpoint, seed_everything, set_rng_state  # noqa: E402
 from common.verifiers import compute_rewards  # noqa: E402
 
@@ -428,7 +428,6 @@ def main() -> None:
         # ALGO LOGIC: overlong filtering (DAPO §3.4, off by default): truncated samples get no loss and no share of the token count
         truncated = torch.tensor([c.finish_reason == "length" for c in completions], device=device)
         loss_mask = overlong_filter(completion_mask, truncated) if args.overlong_filtering else completion_mask
-        micro_batches = [slice(i, min(i + args.micro_batch_size, batch_size)) for i in range(0, batch_size, args.micro_batch_size)]
 
         # 6. old log-probs (only when the batch is reused, otherwise the detached current ones are exact) and reference log-probs
         t0 = time.time()
@@ -436,9 +435,9 @@ def main() -> None:
         old_logprobs, ref_logprobs = None, None
         with torch.no_grad(), autocast():
             if not on_policy:
-                old_logprobs = torch.cat([token_logprobs(model, input_ids[mb], attention_mask[mb], width, args.temperature)[0] for mb in micro_batches])
+                old_logprobs = token_logprobs_batched(model, input_ids, attention_mask, width, args.temperature, args.micro_batch_size)
             if ref_model is not None:
-                ref_logprobs = torch.cat([token_logprobs(ref_model, input_ids[mb], attention_mask[mb], width, args.temperature)[0] for mb in micro_batches])
+                ref_logprobs = token_logprobs_batched(ref_model, input_ids, attention_mask, width, args.temperature, args.micro_batch_size)
         old_logprobs_s = time.time() - t0
 
         # 7. update: epochs x minibatches x micro-batches, one optimiser step per minibatch
@@ -449,6 +448,7 @@ def main() -> None:
             order = torch.randperm(batch_size, generator=torch.Generator().manual_seed(args.seed * 7919 + step * 31 + epoch)).to(device)
             for start in range(0, batch_size, minibatch_size):
                 mb_rows, minibatch_loss = order[start : start + minibatch_size], 0.0
+                mb_rows = mb_rows[attention_mask[mb_rows].sum(-1).argsort(stable=True)]  # similar lengths share a micro-batch: less padding
                 # ALGO LOGIC: token-mean denominator = the mini-batch's tokens summed over processes; DDP then averages the
                 # gradients over processes, so each divides by (global count / world) and the result is the global token mean
                 num_tokens = max(float(accelerator.reduce(loss_mask[mb_rows].sum(), "sum")), 1.0) / world

@@ -61,7 +61,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from common.data import dataset_info, format_prompt, load_problems, prompt_batch, resolve_model_path  # noqa: E402
 from common.evaluate import EvalConfig, evaluate  # noqa: E402
-from common.rollout import RolloutConfig, left_pad, make_engine, token_logprobs  # noqa: E402
+from common.rollout import RolloutConfig, left_pad, make_engine, token_logprobs, token_logprobs_batched  # noqa: E402
 from common.tracking import Tracker, latest_checkpoint, load_checkpoint, rng_state, save_checkpoint, seed_everything, set_rng_state  # noqa: E402
 from common.verifiers import compute_rewards  # noqa: E402
 
@@ -353,7 +353,6 @@ def main() -> None:
         input_ids = torch.cat([prompt_tensor, completion_tensor], dim=1).to(device)
         attention_mask = torch.cat([prompt_mask, completion_mask.long()], dim=1).to(device)
         completion_mask, rollout_logprobs = completion_mask.to(device), rollout_logprobs.to(device)
-        micro_batches = [slice(i, min(i + args.micro_batch_size, batch_size)) for i in range(0, batch_size, args.micro_batch_size)]
 
         # 5. old log-probs (only when the batch is reused, otherwise the detached current ones are exact) and reference log-probs
         t0 = time.time()
@@ -361,9 +360,9 @@ def main() -> None:
         old_logprobs, ref_logprobs = None, None
         with torch.no_grad(), autocast():
             if not on_policy or ref_model is not None:  # ALGO LOGIC: the KL penalty is on π_old, so it needs them too
-                old_logprobs = torch.cat([token_logprobs(model, input_ids[mb], attention_mask[mb], width, args.temperature)[0] for mb in micro_batches])
+                old_logprobs = token_logprobs_batched(model, input_ids, attention_mask, width, args.temperature, args.micro_batch_size)
             if ref_model is not None:
-                ref_logprobs = torch.cat([token_logprobs(ref_model, input_ids[mb], attention_mask[mb], width, args.temperature)[0] for mb in micro_batches])
+                ref_logprobs = token_logprobs_batched(ref_model, input_ids, attention_mask, width, args.temperature, args.micro_batch_size)
         old_logprobs_s = time.time() - t0
 
         # 6. ALGO LOGIC: k1 KL in the reward (no gradient), then the leave-one-out advantages
@@ -380,6 +379,7 @@ def main() -> None:
             order = torch.randperm(batch_size, generator=torch.Generator().manual_seed(args.seed * 7919 + step * 31 + epoch)).to(device)
             for start in range(0, batch_size, minibatch_size):
                 mb_rows, minibatch_loss = order[start : start + minibatch_size], 0.0
+                mb_rows = mb_rows[attention_mask[mb_rows].sum(-1).argsort(stable=True)]  # similar lengths share a micro-batch: less padding
                 for j in range(0, minibatch_size, args.micro_batch_size):
                     rows = mb_rows[j : j + args.micro_batch_size]
                     sync = j + args.micro_batch_size >= minibatch_size

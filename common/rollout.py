@@ -483,16 +483,23 @@ def token_logprobs(
     body runs under bf16 autocast; off, it runs in the caller's autocast dtype. A bf16 head is the main source of
     the sampler/trainer log-prob gap (MiniMax-M1 §3.3, ScaleRL); vLLM's side is ``RolloutConfig.fp32_lm_head``.
     Architectures that post-process logits (softcapping, logit scales: ``LOGIT_POSTPROCESSING``) use the model's own
-    logits instead. Positions follow the attention mask, so left padding matches what the sampler saw.
+    logits instead. Positions follow the attention mask, so left padding matches what the sampler saw; columns no
+    row attends to are cut before the forward (their log-probs are 0), so a micro-batch costs its own longest row.
     ``with_entropy`` adds the detached per-token entropy of the same distribution.
     """
+    # drop the columns no row attends to (prompt left padding, right padding past the longest completion): a
+    # micro-batch of short rows pays for its own longest row, not the whole batch's; dropped positions get log-prob 0
+    full_width, prompt_width = completion_width, input_ids.shape[1] - completion_width
+    used = attention_mask.bool().any(0).nonzero().squeeze(-1).tolist() or [prompt_width - 1]
+    start, completion_width = min(used[0], prompt_width - 1), max(used[-1] + 1 - prompt_width, 1)
+    input_ids, attention_mask = input_ids[:, start : prompt_width + completion_width], attention_mask[:, start : prompt_width + completion_width]
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
     targets = input_ids[:, -completion_width:]
     inner = _unwrap_model(model)
     text_config = inner.config.get_text_config()
     if any(getattr(text_config, name, None) not in (None, 1, 1.0) for name in LOGIT_POSTPROCESSING):
         logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, logits_to_keep=completion_width + 1).logits[:, :-1]
-        return _chunked(_logprobs_from_logits, logits, targets, temperature, with_entropy, chunk_size)
+        return _padded(_chunked(_logprobs_from_logits, logits, targets, temperature, with_entropy, chunk_size), full_width)
     hidden = []  # the decoder's output, caught on the way through the full model's forward (and any wrapper's)
     hook = inner.get_decoder().register_forward_hook(lambda module, args, output: hidden.append(getattr(output, "last_hidden_state", None) if not isinstance(output, tuple) else output[0]))
     try:
@@ -501,7 +508,23 @@ def token_logprobs(
         hook.remove()
     head = inner.get_output_embeddings()
     head_fn = functools.partial(_logprobs_from_hidden, weight=head.weight, bias=head.bias, fp32_head=fp32_head)
-    return _chunked(head_fn, hidden[-1][:, -completion_width - 1 : -1], targets, temperature, with_entropy, chunk_size)
+    return _padded(_chunked(head_fn, hidden[-1][:, -completion_width - 1 : -1], targets, temperature, with_entropy, chunk_size), full_width)
+
+
+def token_logprobs_batched(
+    model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, completion_width: int, temperature: float, micro_batch_size: int,
+) -> torch.Tensor:
+    """``token_logprobs`` over a whole batch without gradients (old, reference and PRM log-probs), ``micro_batch_size``
+    rows per forward, rows of similar length together (each forward pays for its own longest row). Returns (B, T) in
+    the input's row order."""
+    order = attention_mask.sum(-1).argsort(stable=True)
+    parts = [token_logprobs(model, input_ids[rows], attention_mask[rows], completion_width, temperature)[0] for rows in order.split(micro_batch_size)]
+    return torch.cat(parts)[order.argsort()]
+
+
+def _padded(outputs: tuple[torch.Tensor, torch.Tensor | None], width: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Zero-pad (B, w) log-probs (and entropies) on the right back to (B, width)."""
+    return tuple(None if t is None else torch.nn.functional.pad(t, (0, width - t.shape[1])) for t in outputs)
 
 
 def _chunked(fn, inputs: torch.Tensor, targets: torch.Tensor, temperature: float, with_entropy: bool, chunk_size: int) -> tuple[torch.Tensor, torch.Tensor | None]:

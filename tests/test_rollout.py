@@ -1,6 +1,7 @@
 """The Hugging Face rollout engine: grouping, EOS and finish reasons, per-sample seeds, top-p, and that the
 Gumbel-max sampler draws from softmax(logits / T); the trainer's chunked log-probs."""
 
+import contextlib
 import math
 
 import pytest
@@ -8,7 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from common.data import TINY_MODEL_DIR, format_prompt
-from common.rollout import HFEngine, RolloutConfig, gumbel_max, make_engine, prompt_seeds, token_logprobs, top_p_filter
+from common.rollout import HFEngine, RolloutConfig, gumbel_max, make_engine, prompt_seeds, token_logprobs, token_logprobs_batched, top_p_filter
 
 
 @pytest.fixture(scope="module")
@@ -133,6 +134,54 @@ def test_logprobs_keep_no_vocab_wide_tensor_for_backward(engine, chunk_size):
     assert not [shape for shape in saved if len(shape) == 3 and shape[-1] == vocab]
     slices = [shape[1] for shape in saved if shape[:1] == (4,) and len(shape) == 3 and shape[-1] == hidden and shape[1] <= 20]
     assert max(slices) == min(20, chunk_size) and slices.count(min(20, chunk_size)) >= 20 // min(20, chunk_size)
+
+
+@contextlib.contextmanager
+def forward_widths(model):
+    """Collect the sequence width of every forward call of ``model`` made inside the block."""
+    widths = []
+    hook = model.register_forward_pre_hook(lambda module, args, kwargs: widths.append(kwargs["input_ids"].shape[1]), with_kwargs=True)
+    try:
+        yield widths
+    finally:
+        hook.remove()
+
+
+def test_logprobs_skip_columns_no_row_attends(engine):
+    """Extra left padding and right padding past the micro-batch's longest completion are cut before the forward
+    (the model sees longest prompt + longest completion columns); the log-probs are unchanged and 0 where cut."""
+    eng, _ = engine
+    torch.manual_seed(0)
+    ids = torch.randint(3, 279, (3, 12 + 9))
+    mask = torch.ones_like(ids)
+    mask[0, :2] = 0  # row 0: a 10-token prompt; every completion is right-padded to 9 columns
+    mask[0, 12 + 5 :], mask[1, 12 + 7 :], mask[2, 12 + 4 :] = 0, 0, 0
+    with torch.no_grad():
+        tight, _ = token_logprobs(eng.model, ids[:, :19], mask[:, :19], 7, 1.0)  # already cut to the longest (7)
+        padded_ids = torch.cat([torch.zeros(3, 3, dtype=torch.long), ids, torch.zeros(3, 6, dtype=torch.long)], 1)
+        padded_mask = torch.cat([torch.zeros(3, 3, dtype=torch.long), mask, torch.zeros(3, 6, dtype=torch.long)], 1)
+        with forward_widths(eng.model) as widths:
+            loose, loose_ent = token_logprobs(eng.model, padded_ids, padded_mask, 9 + 6, 1.0, with_entropy=True)
+    assert widths == [12 + 7] and loose.shape == loose_ent.shape == (3, 15)
+    torch.testing.assert_close(loose[:, :7], tight, rtol=0, atol=1e-6)
+    assert (loose[:, 7:] == 0).all() and (loose_ent[:, 7:] == 0).all()
+
+
+def test_batched_logprobs_group_rows_by_length_and_keep_row_order(engine):
+    """Rows alternate 2- and 9-token completions; 2 rows per forward: the two short rows go together (the forward
+    is 10 + 2 columns wide), then the long ones, and the result is the one-forward result in the input order."""
+    eng, _ = engine
+    torch.manual_seed(0)
+    ids, mask = torch.randint(3, 279, (4, 10 + 9)), torch.ones(4, 19, dtype=torch.long)
+    mask[0, 12:], mask[2, 12:] = 0, 0
+    with torch.no_grad(), forward_widths(eng.model) as widths:
+        batched = token_logprobs_batched(eng.model, ids, mask, 9, 1.0, micro_batch_size=2)
+    with torch.no_grad():
+        whole, _ = token_logprobs(eng.model, ids, mask, 9, 1.0)
+    assert widths == [12, 19]
+    completion = mask[:, 10:].bool()  # the padding past each micro-batch's longest completion is cut (log-prob 0)
+    torch.testing.assert_close(batched[completion], whole[completion], rtol=1e-6, atol=1e-5)
+    assert (batched[[0, 2], 2:] == 0).all()
 
 
 def test_fp32_head_brings_bf16_logprobs_closer_to_fp32():

@@ -56,14 +56,16 @@ Remaining differences (none changes the objective beyond float rounding on this 
 * advantage epsilon: TRL divides by (std + 1e-4), grpo.py by (std + 1e-6). With 0/1 rewards a non-constant group of
   8 has std >= 0.35, so advantages differ by < 3e-4 relative; constant groups get 0 either way.
 * log-probs: TRL scores completions with its fused, chunked LM head (trl.trainer.utils.add_fused_lm_head: log-probs
-  and entropy computed in tiles without the full logits tensor, custom backward); grpo.py uses log_softmax of the
-  full fp32 logits. Same values up to rounding.
+  and entropy computed in tiles without the full logits tensor, custom backward), in the autocast dtype; grpo.py
+  (common.rollout.token_logprobs) runs the head in fp32 from the decoder's hidden states, in chunks. TRL's own fp32
+  head (cast_lm_head_to_fp32) refuses tied embeddings, which the tiny model has, so it stays off: under bf16 the two
+  differ by the head's rounding (~0.02 nats per token on this model); the cost of a 279-token head is negligible.
 * position ids: TRL's training forward passes no position_ids (positions 0..T-1 counted over the left padding),
   grpo.py passes positions from the attention mask (as generate does). Every `arith` prompt is 14 tokens, so there
   is no left padding and no difference here; on data with prompts of different lengths TRL's trainer would see
   shifted positions for the shorter prompts.
 * micro-batch composition: TRL shuffles the 128 completions before splitting them into the 2 micro-batches,
-  grpo.py uses its own seeded permutation; the summed gradient is the same.
+  grpo.py sorts its seeded permutation by length (similar lengths share a micro-batch); the summed gradient is the same.
 * truncation flag: TRL counts a completion as truncated when its last token is neither EOS nor pad; grpo.py when it
   has no EOS. They differ only if a completion's 40th token is the pad token.
 * no non-finite-step guard: grpo.py skips an optimiser step whose loss or gradient is not finite; the Trainer
