@@ -61,7 +61,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from common.data import dataset_info, format_prompt, load_problems, prompt_batch, resolve_model_path  # noqa: E402
 from common.evaluate import EvalConfig, evaluate  # noqa: E402
-from common.rollout import RolloutConfig, left_pad, make_engine, token_logprobs, token_logprobs_batched  # noqa: E402
+from common.rollout import RolloutConfig, left_pad, make_engine, token_logprobs, token_logprobs_batched, use_fp32_head  # noqa: E402
 from common.tracking import Tracker, latest_checkpoint, load_checkpoint, rng_state, save_checkpoint, seed_everything, set_rng_state  # noqa: E402
 from common.verifiers import compute_rewards  # noqa: E402
 
@@ -279,6 +279,7 @@ def main() -> None:
     use_bf16 = args.mixed_precision == "bf16" or (args.mixed_precision == "auto" and native_bf16)
     autocast = functools.partial(torch.autocast, device.type, dtype=torch.bfloat16, enabled=use_bf16)
     attn = "sdpa" if device.type == "cuda" else "eager"  # CPU: sdpa's bf16 backward is several times slower than eager here
+    fp32_head = use_fp32_head(args.rollout, device)  # the LM head's matmul in fp32 (--rollout.fp32-lm-head), in the trainer as in vLLM
 
     # SHARED: data, verifier, templates
     info = dataset_info(args.dataset)
@@ -435,9 +436,9 @@ def main() -> None:
         old_logprobs, ref_logprobs = None, None
         with torch.no_grad(), autocast():
             if not on_policy:
-                old_logprobs = token_logprobs_batched(model, input_ids, attention_mask, width, args.temperature, args.micro_batch_size)
+                old_logprobs = token_logprobs_batched(model, input_ids, attention_mask, width, args.temperature, args.micro_batch_size, fp32_head)
             if ref_model is not None:
-                ref_logprobs = token_logprobs_batched(ref_model, input_ids, attention_mask, width, args.temperature, args.micro_batch_size)
+                ref_logprobs = token_logprobs_batched(ref_model, input_ids, attention_mask, width, args.temperature, args.micro_batch_size, fp32_head)
         old_logprobs_s = time.time() - t0
 
         # 7. update: epochs x minibatches x micro-batches, one optimiser step per minibatch
@@ -457,7 +458,7 @@ def main() -> None:
                     sync = j + args.micro_batch_size >= len(mb_rows)
                     with accelerator.no_sync(model) if not sync else contextlib.nullcontext():
                         with autocast():
-                            logprobs, entropy = token_logprobs(model, input_ids[rows], attention_mask[rows], width, args.temperature, with_entropy=True)
+                            logprobs, entropy = token_logprobs(model, input_ids[rows], attention_mask[rows], width, args.temperature, with_entropy=True, fp32_head=fp32_head)
                         old = logprobs.detach() if on_policy else old_logprobs[rows]
                         loss, metrics = policy_loss(
                             logprobs, old, advantages[rows], loss_mask[rows], clip_eps_low=args.clip_eps_low, clip_eps_high=args.clip_eps_high,

