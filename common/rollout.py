@@ -486,7 +486,8 @@ def token_logprobs(
 
     ``fp32_head``: the LM head's matmul runs in fp32 (fp32 hidden states and weights, autocast off) even when the
     body runs under bf16 autocast; off, it runs in the caller's autocast dtype. A bf16 head is the main source of
-    the sampler/trainer log-prob gap (MiniMax-M1 §3.3, ScaleRL); the scripts set it from ``RolloutConfig.fp32_lm_head``, as vLLM's.
+    the sampler/trainer log-prob gap (MiniMax-M1 §3.3, ScaleRL); the scripts set it from ``RolloutConfig.fp32_lm_head``,
+    as vLLM's.
     Architectures that post-process logits (softcapping, logit scales: ``LOGIT_POSTPROCESSING``) use the model's own
     logits instead. Positions follow the attention mask, so left padding matches what the sampler saw; columns no
     row attends to are cut before the forward (their log-probs are 0), so a micro-batch costs its own longest row.
@@ -506,7 +507,7 @@ def token_logprobs(
         logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, logits_to_keep=completion_width + 1).logits[:, :-1]
         return _padded(_chunked(_logprobs_from_logits, logits, targets, temperature, with_entropy, chunk_size), full_width)
     hidden = []  # the decoder's output, caught on the way through the full model's forward (and any wrapper's)
-    hook = inner.get_decoder().register_forward_hook(lambda module, args, output: hidden.append(getattr(output, "last_hidden_state", None) if not isinstance(output, tuple) else output[0]))
+    hook = inner.get_decoder().register_forward_hook(lambda module, args, output: hidden.append(output[0]))  # last_hidden_state
     try:
         model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, logits_to_keep=1)
     finally:
