@@ -232,8 +232,9 @@ def policy_loss(
     with torch.no_grad():
         on_mask, off_mask = mask * (~off).float(), mask * off.float()
         clipped = ((adv > 0) & (ratio > 1 + clip_eps)) | ((adv < 0) & (ratio < 1 - clip_eps)) if on_policy_clip else torch.zeros_like(off)
-        metrics["clip_frac"] = ((clipped.float() * on_mask).sum() / on_mask.sum().clamp(min=1)).item()
-        metrics["ratio"] = ((ratio * on_mask).sum() / on_mask.sum().clamp(min=1)).item()
+        if on_mask.sum() > 0:  # policy-token statistics, only from micro-batches that hold the policy's own samples
+            metrics["clip_frac"] = ((clipped.float() * on_mask).sum() / on_mask.sum()).item()
+            metrics["ratio"] = ((ratio * on_mask).sum() / on_mask.sum()).item()
         if off_mask.sum() > 0:  # teacher-token statistics, only from micro-batches that hold a teacher trace
             p = prob.detach()
             metrics["teacher_prob"] = ((p * off_mask).sum() / off_mask.sum()).item()
@@ -452,10 +453,11 @@ def main() -> None:
                         accelerator.backward(loss)
                     minibatch_loss += loss.item()
                     on_mask = completion_mask[rows] * (~off_policy[rows]).float().unsqueeze(-1)  # ALGO LOGIC: the policy's own tokens
-                    metrics["entropy"] = masked_mean(entropy, on_mask)
+                    if on_mask.sum() > 0:  # length-sorted micro-batches can hold teacher traces only
+                        metrics["entropy"] = masked_mean(entropy, on_mask)
                     if off_policy[rows].any():
                         metrics["teacher_entropy"] = masked_mean(entropy, completion_mask[rows] - on_mask)
-                    if epoch == 0 and start == 0:  # sampler vs trainer log-prob gap, on the untouched policy
+                    if epoch == 0 and start == 0 and on_mask.sum() > 0:  # sampler vs trainer log-prob gap, on the untouched policy
                         metrics["logprob_gap"] = masked_mean((logprobs.detach() - rollout_logprobs[rows]).abs(), on_mask)
                     for k, v in metrics.items():
                         step_metrics.setdefault(k, []).append(v)

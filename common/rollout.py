@@ -42,7 +42,7 @@ class RolloutConfig:
     vllm_dtype: str = "auto"
     """vLLM: weight dtype ('auto' follows the checkpoint; 'float32' matches the CPU trainer exactly)"""
     fp32_lm_head: Literal["auto", "on", "off"] = "auto"
-    """LM head matmul in fp32, in the trainer's log-probs and in vLLM alike (the MiniMax-M1 / ScaleRL fix for the sampler/trainer gap); 'auto' = on for CPU runs, off on CUDA (an fp32 GEMM over a 152k vocabulary slows the learning step)"""
+    """LM head with fp32 logits in the trainer's log-probs (fp32 inputs) and in vLLM (its head_dtype; on CUDA bf16 inputs, fp32 accumulation): the MiniMax-M1 / ScaleRL fix for the sampler/trainer gap; 'auto' = on for CPU runs, off on CUDA (an fp32 GEMM over a 152k vocabulary slows the learning step)"""
     max_model_len: int = 0
     """vLLM: context length (0 = prompt budget + max_new_tokens, computed by the script)"""
     enable_sleep_mode: bool = False
@@ -481,15 +481,16 @@ def token_logprobs(
     The trainer's side of every script (old, reference and current log-probs). The model runs once (through any
     DDP wrapper) and its final hidden states are taken from the decoder; the LM head and the log-softmax then run
     ``chunk_size`` completion positions at a time and, when gradients are on, are recomputed per chunk in the
-    backward pass, so no (B, T, vocab) tensor is ever kept: not the logits, not their log-softmax (in fp32,
+    backward pass, so no (B, T, vocab) tensor is kept: not the logits, not their log-softmax (in fp32,
     2 x 4 bytes x B x T x vocab: ~40 GB for 8 x 4k tokens of a 152k vocabulary).
 
     ``fp32_head``: the LM head's matmul runs in fp32 (fp32 hidden states and weights, autocast off) even when the
     body runs under bf16 autocast; off, it runs in the caller's autocast dtype. A bf16 head is the main source of
     the sampler/trainer log-prob gap (MiniMax-M1 §3.3, ScaleRL); the scripts set it from ``RolloutConfig.fp32_lm_head``,
     as vLLM's.
-    Architectures that post-process logits (softcapping, logit scales: ``LOGIT_POSTPROCESSING``) use the model's own
-    logits instead. Positions follow the attention mask, so left padding matches what the sampler saw; columns no
+    Architectures that post-process logits (softcapping, logit scales: ``LOGIT_POSTPROCESSING``, or any model whose
+    head alone does not reproduce its own last-position logits) use the model's own logits instead, and then keep
+    them for the backward pass. Positions follow the attention mask, so left padding matches what the sampler saw; columns no
     row attends to are cut before the forward (their log-probs are 0), so a micro-batch costs its own longest row.
     ``with_entropy`` adds the detached per-token entropy of the same distribution.
     """
@@ -509,10 +510,15 @@ def token_logprobs(
     hidden = []  # the decoder's output, caught on the way through the full model's forward (and any wrapper's)
     hook = inner.get_decoder().register_forward_hook(lambda module, args, output: hidden.append(output[0]))  # last_hidden_state
     try:
-        model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, logits_to_keep=1)
+        last_logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, logits_to_keep=1).logits
     finally:
         hook.remove()
     head = inner.get_output_embeddings()
+    with torch.no_grad():  # the head alone must reproduce the model's own last logits, or the model post-processes them
+        ours = torch.nn.functional.linear(hidden[-1][:, -1:], head.weight, head.bias)
+        if ours.shape != last_logits.shape or not torch.allclose(ours.float(), last_logits.float(), rtol=1e-2, atol=1e-2):
+            logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, logits_to_keep=completion_width + 1).logits[:, :-1]
+            return _padded(_chunked(_logprobs_from_logits, logits, targets, temperature, with_entropy, chunk_size), full_width)
     head_fn = functools.partial(_logprobs_from_hidden, weight=head.weight, bias=head.bias, fp32_head=fp32_head)
     return _padded(_chunked(head_fn, hidden[-1][:, -completion_width - 1 : -1], targets, temperature, with_entropy, chunk_size), full_width)
 

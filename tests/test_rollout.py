@@ -165,6 +165,12 @@ def test_logprobs_skip_columns_no_row_attends(engine):
     assert widths == [12 + 7] and loose.shape == loose_ent.shape == (3, 15)
     torch.testing.assert_close(loose[:, :7], tight, rtol=0, atol=1e-6)
     assert (loose[:, 7:] == 0).all() and (loose_ent[:, 7:] == 0).all()
+    # and against the plain computation: the model's own logits over the uncut batch, position t-1 predicting t
+    with torch.no_grad():
+        logits = eng.model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0)).logits
+    plain = torch.log_softmax(logits[:, 11:18].double(), -1).gather(-1, ids[:, 12:19, None]).squeeze(-1)
+    completion = mask[:, 12:19].bool()
+    torch.testing.assert_close(loose[:, :7][completion].double(), plain[completion], rtol=0, atol=1e-5)
 
 
 def test_batched_logprobs_group_rows_by_length_and_keep_row_order(engine):
@@ -236,6 +242,25 @@ def test_decoding_stops_when_every_sample_has_finished(engine):
     for step, shape in enumerate(decode_calls, start=1):
         running = sum(len(c.token_ids) > step for c in out)
         assert running <= shape[0] < running + max(1, shape[0] // 4) + 1
+
+
+def test_undeclared_logit_postprocessing_falls_back_to_the_models_logits():
+    """A model whose logits are scaled after its LM head (here a hook halving them, declared nowhere in the config)
+    is caught by comparing the head with the model's own last logits: the log-probs are those of the model's logits."""
+    model = AutoModelForCausalLM.from_pretrained(TINY_MODEL_DIR)
+    torch.manual_seed(0)
+    ids, mask = torch.randint(3, 279, (4, 30)), torch.ones(4, 30, dtype=torch.long)
+    with torch.no_grad():
+        unscaled, _ = token_logprobs(model, ids, mask, 20, 1.0)
+        hook = model.get_output_embeddings().register_forward_hook(lambda module, args, output: output * 0.5)
+        try:
+            scaled, _ = token_logprobs(model, ids, mask, 20, 1.0)
+            logits = model(input_ids=ids, attention_mask=mask).logits
+        finally:
+            hook.remove()
+    expected = torch.log_softmax(logits[:, 9:29], -1).gather(-1, ids[:, 10:, None]).squeeze(-1)
+    torch.testing.assert_close(scaled, expected, rtol=0, atol=1e-5)
+    assert (scaled - unscaled).abs().max() > 0.1
 
 
 def test_fp32_head_flag_resolution():
