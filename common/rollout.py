@@ -503,10 +503,14 @@ def token_logprobs(
     position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
     targets = input_ids[:, -completion_width:]
     inner = _unwrap_model(model)
-    text_config = inner.config.get_text_config()
-    if any(getattr(text_config, name, None) not in (None, 1, 1.0) for name in LOGIT_POSTPROCESSING):
+
+    def from_own_logits() -> tuple[torch.Tensor, torch.Tensor | None]:  # the model's own (post-processed) logits
         logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, logits_to_keep=completion_width + 1).logits[:, :-1]
         return _padded(_chunked(_logprobs_from_logits, logits, targets, temperature, with_entropy, chunk_size), full_width)
+
+    text_config = inner.config.get_text_config()
+    if any(getattr(text_config, name, None) not in (None, 1, 1.0) for name in LOGIT_POSTPROCESSING):
+        return from_own_logits()
     hidden = []  # the decoder's output, caught on the way through the full model's forward (and any wrapper's)
     hook = inner.get_decoder().register_forward_hook(lambda module, args, output: hidden.append(output[0]))  # last_hidden_state
     try:
@@ -516,9 +520,9 @@ def token_logprobs(
     head = inner.get_output_embeddings()
     with torch.no_grad():  # the head alone must reproduce the model's own last logits, or the model post-processes them
         ours = torch.nn.functional.linear(hidden[-1][:, -1:], head.weight, head.bias)
-        if ours.shape != last_logits.shape or not torch.allclose(ours.float(), last_logits.float(), rtol=1e-2, atol=1e-2):
-            logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, logits_to_keep=completion_width + 1).logits[:, :-1]
-            return _padded(_chunked(_logprobs_from_logits, logits, targets, temperature, with_entropy, chunk_size), full_width)
+        head_reproduces = ours.shape == last_logits.shape and torch.allclose(ours.float(), last_logits.float(), rtol=1e-2, atol=1e-2)
+    if not head_reproduces:
+        return from_own_logits()
     head_fn = functools.partial(_logprobs_from_hidden, weight=head.weight, bias=head.bias, fp32_head=fp32_head)
     return _padded(_chunked(head_fn, hidden[-1][:, -completion_width - 1 : -1], targets, temperature, with_entropy, chunk_size), full_width)
 

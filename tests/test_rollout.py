@@ -252,15 +252,17 @@ def test_undeclared_logit_postprocessing_falls_back_to_the_models_logits():
     ids, mask = torch.randint(3, 279, (4, 30)), torch.ones(4, 30, dtype=torch.long)
     with torch.no_grad():
         unscaled, _ = token_logprobs(model, ids, mask, 20, 1.0)
-        hook = model.get_output_embeddings().register_forward_hook(lambda module, args, output: output * 0.5)
-        try:
-            scaled, _ = token_logprobs(model, ids, mask, 20, 1.0)
+    hook = model.get_output_embeddings().register_forward_hook(lambda module, args, output: output * 0.5)
+    try:
+        scaled, _ = token_logprobs(model, ids, mask, 20, 1.0)  # with gradients, as in the learning step
+        with torch.no_grad():
             logits = model(input_ids=ids, attention_mask=mask).logits
-        finally:
-            hook.remove()
+    finally:
+        hook.remove()
     expected = torch.log_softmax(logits[:, 9:29], -1).gather(-1, ids[:, 10:, None]).squeeze(-1)
-    torch.testing.assert_close(scaled, expected, rtol=0, atol=1e-5)
-    assert (scaled - unscaled).abs().max() > 0.1
+    torch.testing.assert_close(scaled.detach(), expected, rtol=0, atol=1e-5)
+    assert (scaled.detach() - unscaled).abs().max() > 0.1
+    assert scaled.requires_grad  # the fallback's forward keeps its graph
 
 
 def test_fp32_head_flag_resolution():
