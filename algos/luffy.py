@@ -29,8 +29,8 @@ padded length), no entropy bonus (train.sh: 0.001).
 CPU, offline (the defaults: the shipped tiny model on `arith`, teacher = the task's worked solutions):
     python algos/luffy.py
 The teacher's effect: `arith-hard` has 4 operands where the warm start saw 3 (sampled accuracy ~3%). Held-out mean@4
-on its 200 problems after 60 steps, seeds 1-3 (benchmarks/results/teacher): GRPO 0.035 -> 0.064 +- 0.013, LUFFY
-0.035 -> 0.101 +- 0.011 (greedy 0.062 vs 0.120), from
+on its 200 problems after 60 steps, seeds 1-3 (benchmarks/results/teacher): GRPO 0.035 -> 0.058 +- 0.001, LUFFY
+0.035 -> 0.094 +- 0.003 (greedy 0.057 vs 0.113), from
     python benchmarks/run.py teacher && python benchmarks/collect.py teacher
 GPU, one process (paper: Qwen2.5-Math-7B with a 16k context, OpenR1 traces, lr 1e-6, 128 prompts x (7+1), 8k tokens,
 2 updates per batch; add --no-on-policy-clip to match the released train.sh):
