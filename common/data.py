@@ -10,8 +10,8 @@ Every dataset is loaded as a list of ``Problem`` dicts with three string fields:
 ``load_problems(name, split)`` returns that list; ``format_prompt`` applies a named template;
 ``prompt_batch`` walks a list in a seeded, resumable order (the data cursor saved in checkpoints).
 
-The offline task ``arith`` needs no network: chain arithmetic such as ``4+7-2=?`` with the worked
-solution ``4+7=11;11-2=9;\\boxed{9}``. Its held-out split is disjoint from its train split.
+The offline tasks (``arith``, ``arith-hard``; ``common/tasks.py``) need no network: chain arithmetic such as
+``4+7-2=?`` with the worked solution ``4+7=11;11-2=9;\\boxed{9}``. Held-out splits are disjoint from train splits.
 
 Hub datasets (need ``datasets`` and hub access or a warm HF cache; all scored with the ``math`` reward):
 
@@ -26,7 +26,7 @@ Hub datasets (need ``datasets`` and hub access or a warm HF cache; all scored wi
     eurus2-rl     PRIME-RL/Eurus-2-RL-Data (ability == math)  train, validation          reward_model.ground_truth
 
 ``math:3-5`` (or ``math:5``, ``math500:1,2``) keeps only those MATH difficulty levels (levels 3-5 are
-what the Dr. GRPO / oat recipe trains on). Each hub row goes through a small pure mapper (``gsm8k_row``, ...)
+what the Dr. GRPO / oat recipe trains on). Each hub row goes through a small pure mapper in ``common/hub_data.py``
 that raises ``ValueError`` naming the dataset, the hub row index and the field when a row is malformed.
 For ``openr1-luffy`` the ``solution`` is the DeepSeek-R1 teacher trace, kept verbatim; pass it
 through ``teacher_completion`` with the rendered prompt to drop a ``<think>`` the prompt already ends with.
@@ -36,14 +36,14 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 import random
 import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-Problem = dict[str, str]
+from common.hub_data import HUB_SOURCES, load_hub
+from common.tasks import ARITH_SPECS, Problem, load_arith
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 TINY_MODEL_DIR = REPO_ROOT / "common" / "tiny_model"
@@ -63,69 +63,6 @@ def resolve_model_path(name_or_path: str) -> str:
     if looks_local and not local.exists():
         raise FileNotFoundError(f"--model {name_or_path!r}: no such local path (and not a hub id of the form org/name)")
     return str(local) if local.exists() else name_or_path
-
-
-# ----------------------------------------------------------------------------------------------
-# The offline synthetic task: chain arithmetic with a worked solution
-# ----------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class ArithSpec:
-    """Shape of the synthetic chain-arithmetic task."""
-
-    n_terms: int = 3  # operands per problem
-    max_operand: int = 9  # operands are drawn from 0..max_operand
-
-
-ARITH_SPECS = {
-    "arith": ArithSpec(n_terms=3, max_operand=9),  # the tiny default: 1-digit operands
-    "arith-hard": ArithSpec(n_terms=4, max_operand=9),  # one operand more than the warm start saw: ~3% sampled accuracy (LUFFY demo)
-}
-ARITH_TEST_SIZE = 200  # held-out problems per arith task
-ARITH_TEST_SEED = 999
-ARITH_TRAIN_SIZE = 20_000
-ARITH_TRAIN_SEED = 0
-
-
-def make_arith_problem(rng: random.Random, spec: ArithSpec) -> Problem:
-    """One problem, e.g. prompt ``4+7-2=?``, answer ``9``, solution ``4+7=11;11-2=9;\\boxed{9}``."""
-    operands = [rng.randint(0, spec.max_operand) for _ in range(spec.n_terms)]
-    ops = [rng.choice("+-") for _ in range(spec.n_terms - 1)]
-    prompt, total, steps = str(operands[0]), operands[0], []
-    for op, x in zip(ops, operands[1:]):
-        new_total = total + x if op == "+" else total - x
-        steps.append(f"{total}{op}{x}={new_total}")
-        prompt += f"{op}{x}"
-        total = new_total
-    solution = ";".join(steps) + f";\\boxed{{{total}}}"
-    return {"prompt": prompt + "=?", "answer": str(total), "solution": solution}
-
-
-def make_arith_problems(n: int, seed: int, spec: ArithSpec, exclude: set[str] | None = None) -> list[Problem]:
-    """``n`` problems from a seeded stream, skipping any whose prompt is in ``exclude``."""
-    rng, out = random.Random(seed), []
-    exclude = exclude or set()
-    while len(out) < n:
-        p = make_arith_problem(rng, spec)
-        if p["prompt"] not in exclude:
-            out.append(p)
-    return out
-
-
-@functools.lru_cache(maxsize=None)
-def _arith_split(name: str, split: str) -> tuple[Problem, ...]:
-    """Generated once per process (about 0.2 s for the 20k train problems), then reused."""
-    spec = ARITH_SPECS[name]
-    test = make_arith_problems(ARITH_TEST_SIZE, ARITH_TEST_SEED, spec)
-    if split == "test":
-        return tuple(test)
-    train = make_arith_problems(ARITH_TRAIN_SIZE, ARITH_TRAIN_SEED, spec, exclude={p["prompt"] for p in test})
-    return tuple(train)
-
-
-def _load_arith(name: str, split: str) -> list[Problem]:
-    if split not in ("train", "test"):
-        raise ValueError(f"dataset {name!r} has splits 'train' and 'test', not {split!r}")
-    return [dict(p) for p in _arith_split(name, split)]  # copies, so callers cannot corrupt the cache
 
 
 # ----------------------------------------------------------------------------------------------
@@ -176,271 +113,6 @@ def _load_jsonl(path: str) -> list[Problem]:
     return validate_rows(rows, f"jsonl:{path}", line_numbers)
 
 
-# ----------------------------------------------------------------------------------------------
-# Hugging Face hub datasets: one pure row mapper per dataset, one generic loader
-# ----------------------------------------------------------------------------------------------
-class RowError(ValueError):
-    """A hub row that cannot become a ``Problem``; ``field`` names the offending column."""
-
-    def __init__(self, field: str, reason: str):
-        super().__init__(f"field {field!r}: {reason}")
-        self.field = field
-
-
-class HubUnavailableError(RuntimeError):
-    """``datasets.load_dataset`` failed: no hub access (offline) and no cached copy, or a bad id/split."""
-
-
-def _get(row: dict, path: str):
-    """``row["a"]["b"]`` for ``path="a.b"``; RowError naming the dotted field when a key is missing."""
-    value = row
-    for key in path.split("."):
-        if not isinstance(value, dict) or key not in value or value[key] is None:
-            raise RowError(path, "missing")
-        value = value[key]
-    return value
-
-
-def _text(row: dict, path: str) -> str:
-    """A non-empty string field (integers, e.g. AIME answers, become their decimal string)."""
-    value = _get(row, path)
-    if isinstance(value, int) and not isinstance(value, bool):
-        value = str(value)
-    if not isinstance(value, str):
-        raise RowError(path, f"must be a string, got {type(value).__name__}")
-    if not value.strip():
-        raise RowError(path, "is empty")
-    return value
-
-
-def _user_content(row: dict, path: str = "prompt") -> str:
-    """The content of the last user message of a verl-style ``prompt`` message list (system turns dropped)."""
-    messages = _get(row, path)
-    if isinstance(messages, (str, bytes, dict)) or not hasattr(messages, "__iter__"):
-        raise RowError(path, f"must be a list of chat messages, got {type(messages).__name__}")
-    user = [m for m in messages if isinstance(m, dict) and m.get("role") == "user"]
-    if not user:
-        raise RowError(path, "has no message with role 'user'")
-    content = user[-1].get("content")
-    if not isinstance(content, str) or not content.strip():
-        raise RowError(f"{path}[user].content", "missing or empty")
-    return content
-
-
-def _integer_answer(answer: str) -> str:
-    """AIME answers are integers 0..999; drop leading zeros some copies keep ("033" -> "33")."""
-    answer = answer.strip()
-    return str(int(answer)) if answer.isdigit() else answer
-
-
-def _math_level(row: dict) -> int | None:
-    """MATH difficulty from ``level`` ("Level 3" in MATH-lighteval, 3 in MATH-500); None for "Level ?"."""
-    level = _get(row, "level")
-    if isinstance(level, int) and not isinstance(level, bool):
-        return level
-    if isinstance(level, str):
-        m = re.fullmatch(r"\s*(?:Level\s*)?(\d+)\s*", level)
-        return int(m.group(1)) if m else None
-    raise RowError("level", f"must be 'Level N' or an integer, got {type(level).__name__}")
-
-
-def _gold_from(extract: Callable[[str], str], text: str, path: str) -> str:
-    try:
-        return extract(text)
-    except ValueError as e:
-        raise RowError(path, str(e)) from None
-
-
-_GSM8K_CALC = re.compile(r"<<[^<>]*>>")  # calculator annotations such as <<48/2=24>>
-
-
-def gsm8k_row(row: dict) -> Problem:
-    """openai/gsm8k: ``question``; ``answer`` = worked solution ending in ``#### 72``.
-
-    The solution keeps the rationale (calculator annotations removed) and ends in ``\\boxed{gold}``.
-    """
-    from common.verifiers import extract_gsm8k_gold
-
-    answer_field = _text(row, "answer")
-    gold = _gold_from(extract_gsm8k_gold, answer_field, "answer")
-    rationale = _GSM8K_CALC.sub("", answer_field.rsplit("####", 1)[0]).strip()
-    return {"prompt": _text(row, "question"), "answer": gold, "solution": f"{rationale}\n\\boxed{{{gold}}}".lstrip()}
-
-
-def math_row(row: dict, levels: frozenset[int] | None = None) -> Problem | None:
-    """MATH-lighteval: ``problem``, ``solution`` (gold = its last ``\\boxed{}``), ``level`` "Level 1".."Level 5".
-
-    With ``levels``, rows of other levels (and the few "Level ?" rows) are skipped (None).
-    """
-    from common.verifiers import extract_math_gold
-
-    if levels is not None and _math_level(row) not in levels:
-        return None
-    solution = _text(row, "solution")
-    gold = _gold_from(extract_math_gold, solution, "solution")
-    return {"prompt": _text(row, "problem"), "answer": gold, "solution": solution}
-
-
-def math500_row(row: dict, levels: frozenset[int] | None = None) -> Problem | None:
-    """MATH-500: ``problem``, ``answer`` (clean gold), ``solution``, ``level`` 1..5."""
-    if levels is not None and _math_level(row) not in levels:
-        return None
-    solution = row.get("solution") or ""
-    if not isinstance(solution, str):
-        raise RowError("solution", f"must be a string, got {type(solution).__name__}")
-    return {"prompt": _text(row, "problem"), "answer": _text(row, "answer").strip(), "solution": solution}
-
-
-def aime24_row(row: dict) -> Problem:
-    """HuggingFaceH4/aime_2024: ``problem``, ``answer`` (integer, as text or int), ``solution``."""
-    solution = row.get("solution") or ""
-    if not isinstance(solution, str):
-        raise RowError("solution", f"must be a string, got {type(solution).__name__}")
-    return {"prompt": _text(row, "problem"), "answer": _integer_answer(_text(row, "answer")), "solution": solution}
-
-
-def aime25_row(row: dict) -> Problem:
-    """math-ai/aime25: ``problem``, ``answer``, ``id`` (AIME 2025 I and II, 30 rows); no solutions."""
-    return {"prompt": _text(row, "problem"), "answer": _integer_answer(_text(row, "answer")), "solution": ""}
-
-
-def dapo17k_row(row: dict) -> Problem:
-    """open-r1/DAPO-Math-17k-Processed: ``prompt`` = the bare problem, ``solution`` = the final answer.
-
-    The processed copy dropped DAPO's instruction from the prompt; the ``dapo`` template re-adds it.
-    """
-    return {"prompt": _text(row, "prompt"), "answer": _text(row, "solution").strip(), "solution": ""}
-
-
-def openr1_luffy_row(row: dict) -> Problem:
-    """Elliott/Openr1-Math-46k-8192 (LUFFY): verl format plus ``target`` = [{"role": "assistant", "content": trace}].
-
-    prompt = the user message (the OpenR1 system prompt is dropped), answer = reward_model.ground_truth,
-    solution = the DeepSeek-R1 teacher trace verbatim, usually starting with "<think>\\n" (see ``teacher_completion``).
-    """
-    target = _get(row, "target")
-    if isinstance(target, (str, bytes, dict)) or not hasattr(target, "__len__") or len(target) == 0:
-        raise RowError("target", "must be a non-empty list holding the teacher message")
-    first = target[0]
-    trace = first.get("content") if isinstance(first, dict) else None
-    if not isinstance(trace, str) or not trace.strip():
-        raise RowError("target[0].content", "missing or empty")
-    return {
-        "prompt": _user_content(row),
-        "answer": _text(row, "reward_model.ground_truth").strip(),
-        "solution": trace,
-    }
-
-
-def eurus2_rl_row(row: dict) -> Problem | None:
-    """PRIME-RL/Eurus-2-RL-Data: verl format; keeps ``ability == "math"`` rows (code rows give None).
-
-    prompt = the user message (PRIME's action-tag system prompt is dropped), answer = reward_model.ground_truth.
-    """
-    if _text(row, "ability") != "math":
-        return None
-    return {"prompt": _user_content(row), "answer": _text(row, "reward_model.ground_truth").strip(), "solution": ""}
-
-
-def teacher_completion(solution: str, rendered_prompt: str) -> str:
-    """The teacher trace as the completion of ``rendered_prompt``, without a duplicated ``<think>``.
-
-    LUFFY strips a leading ``<think>\\n`` from the trace when the chat-templated prompt already ends
-    with ``<think>\\n`` (``rl_dataset_with_target.py``). Generalised: when the prompt ends with
-    ``<think>`` plus optional whitespace (``r1-zero`` ends with ``<think>``), the trace's own leading
-    ``<think>`` and that same whitespace are dropped; otherwise the trace is returned unchanged.
-    """
-    head = rendered_prompt.rstrip()
-    if not (head.endswith("<think>") and solution.startswith("<think>")):
-        return solution
-    rest, already = solution[len("<think>") :], rendered_prompt[len(head) :]
-    return rest[len(already) :] if rest.startswith(already) else rest
-
-
-@dataclass(frozen=True)
-class HubSource:
-    """Where a hub dataset lives and how its rows become Problems."""
-
-    path: str  # hub id
-    config: str | None  # hub config name (None = default)
-    splits: dict[str, str]  # our split name -> hub split name
-    row_fn: Callable[..., Problem | None]  # pure row mapper; None = skip the row
-    columns: tuple[str, ...] = ()  # columns the mapper reads (others are dropped before iterating)
-    has_levels: bool = False  # accepts the ``name:LEVELS`` filter
-
-
-HUB_SOURCES: dict[str, HubSource] = {
-    "gsm8k": HubSource("openai/gsm8k", "main", {"train": "train", "test": "test"}, gsm8k_row, ("question", "answer")),
-    "math": HubSource(
-        "DigitalLearningGmbH/MATH-lighteval", None, {"train": "train", "test": "test"}, math_row,
-        ("problem", "solution", "level"), has_levels=True,
-    ),
-    "math500": HubSource(
-        "HuggingFaceH4/MATH-500", None, {"test": "test"}, math500_row, ("problem", "answer", "solution", "level"), has_levels=True
-    ),
-    "aime24": HubSource("HuggingFaceH4/aime_2024", None, {"test": "train"}, aime24_row, ("problem", "answer", "solution")),
-    "aime25": HubSource("math-ai/aime25", None, {"test": "test"}, aime25_row, ("problem", "answer")),
-    "dapo17k": HubSource("open-r1/DAPO-Math-17k-Processed", "all", {"train": "train"}, dapo17k_row, ("prompt", "solution")),
-    "openr1-luffy": HubSource(
-        "Elliott/Openr1-Math-46k-8192", None, {"train": "train"}, openr1_luffy_row, ("prompt", "reward_model", "target")
-    ),
-    "eurus2-rl": HubSource(
-        "PRIME-RL/Eurus-2-RL-Data", None, {"train": "train", "validation": "validation"}, eurus2_rl_row,
-        ("prompt", "ability", "reward_model"),
-    ),
-}
-
-
-def map_hub_rows(name: str, rows, levels: frozenset[int] | None = None, label: str | None = None) -> list[Problem]:
-    """Map raw rows of hub dataset ``name`` to Problems with its row mapper (skipped rows dropped).
-
-    A malformed row raises ValueError naming the dataset (``label``), the hub id, the row index
-    (in the hub split, before any filtering) and the field.
-    """
-    source = HUB_SOURCES[name]
-    row_fn = functools.partial(source.row_fn, levels=levels) if levels is not None else source.row_fn
-    label = label or name
-    problems = []
-    for i, row in enumerate(rows):
-        try:
-            if not isinstance(row, dict):
-                raise RowError("<row>", f"expected an object, got {type(row).__name__}")
-            problem = row_fn(row)
-        except RowError as e:
-            raise ValueError(f"dataset {label!r} ({source.path}), row {i}: {e}") from None
-        if problem is not None:
-            problems.append(problem)
-    return problems
-
-
-def _load_hub(name: str, split: str, levels: frozenset[int] | None = None, label: str | None = None) -> list[Problem]:
-    source = HUB_SOURCES[name]
-    label = label or name
-    if split not in source.splits:
-        raise ValueError(f"dataset {label!r} has splits {sorted(source.splits)}, not {split!r}")
-    hub_split = source.splits[split]
-    try:
-        import datasets
-    except ImportError as e:
-        raise ImportError(f"dataset {label!r} needs the `datasets` package (pip install datasets)") from e
-    try:
-        ds = datasets.load_dataset(source.path, source.config, split=hub_split)
-    except Exception as e:  # noqa: BLE001 - any hub/cache failure becomes one actionable message
-        cache = os.environ.get("HF_DATASETS_CACHE") or os.environ.get("HF_HOME") or "~/.cache/huggingface"
-        reason = (str(e).strip().splitlines() or [""])[0][:300]
-        raise HubUnavailableError(
-            f"dataset {label!r}: could not load hub dataset {source.path!r} (config {source.config!r}, "
-            f"split {hub_split!r}): {type(e).__name__}: {reason}\n"
-            f"The Hugging Face hub is unreachable or offline (HF_HUB_OFFLINE={os.environ.get('HF_HUB_OFFLINE', 'unset')}) "
-            f"and no cached copy was found under {cache}. Download it once where the hub is reachable "
-            f"(same HF cache, then set HF_HUB_OFFLINE=1), or export prompt/answer/solution rows to a JSONL "
-            f"file and use --dataset jsonl:<path>."
-        ) from e
-    if source.columns and hasattr(ds, "select_columns"):
-        ds = ds.select_columns([c for c in source.columns if c in ds.column_names])
-    return map_hub_rows(name, ds, levels, f"{label}[{split}]")
-
-
 def _parse_levels(name: str, spec: str) -> frozenset[int]:
     """``"3-5"`` -> {3, 4, 5}; ``"5"`` -> {5}; ``"1,3-4"`` -> {1, 3, 4}; levels are 1..5."""
     levels: set[int] = set()
@@ -448,7 +120,8 @@ def _parse_levels(name: str, spec: str) -> frozenset[int]:
         m = re.fullmatch(r"\s*([1-5])\s*(?:-\s*([1-5])\s*)?", part)
         if not m or (m.group(2) and int(m.group(2)) < int(m.group(1))):
             raise ValueError(
-                f"dataset {name!r}: bad level filter {spec!r}; use levels 1..5 such as 'math:3-5', 'math:5' or 'math:1,3-4'"
+                f"dataset {name!r}: bad level filter {spec!r}; "
+                "use levels 1..5 such as 'math:3-5', 'math:5' or 'math:1,3-4'"
             )
         levels.update(range(int(m.group(1)), int(m.group(2) or m.group(1)) + 1))
     return frozenset(levels)
@@ -468,7 +141,9 @@ class DatasetInfo:
 
 
 DATASETS: dict[str, DatasetInfo] = {
-    name: DatasetInfo(loader=lambda split, name=name: _load_arith(name, split), reward_fn="exact", default_template="chat")
+    name: DatasetInfo(
+        loader=lambda split, name=name: load_arith(name, split), reward_fn="exact", default_template="chat"
+    )
     for name in ARITH_SPECS
 }
 # Hub sets. eval_split is the dataset's own held-out split; the training-only sets (dapo17k,
@@ -477,7 +152,7 @@ _HUB_EVAL_SPLITS = {"dapo17k": "train", "openr1-luffy": "train", "eurus2-rl": "v
 DATASETS.update(
     {
         name: DatasetInfo(
-            loader=lambda split, name=name: _load_hub(name, split),
+            loader=lambda split, name=name: load_hub(name, split),
             reward_fn="math",
             default_template="dapo" if name == "dapo17k" else "qwen-math",
             eval_split=_HUB_EVAL_SPLITS.get(name, "test"),
@@ -501,7 +176,7 @@ def dataset_info(name: str) -> DatasetInfo:
         levels = _parse_levels(name, level_spec)
         info = DATASETS[base]
         return DatasetInfo(
-            loader=lambda split: _load_hub(base, split, levels, name),
+            loader=lambda split: load_hub(base, split, levels, name),
             reward_fn=info.reward_fn,
             default_template=info.default_template,
             eval_split=info.eval_split,
@@ -562,7 +237,9 @@ def format_prompt(prompt: str, template: str, tokenizer) -> str:
     else:
         raise ValueError(f"unknown template {template!r}; choose one of {TEMPLATES}")
     if tokenizer.chat_template is None:
-        raise ValueError(f"template {template!r} needs a tokenizer chat template; this tokenizer has none (use 'plain' or 'r1-zero')")
+        raise ValueError(
+            f"template {template!r} needs a tokenizer chat template; this tokenizer has none (use 'plain' or 'r1-zero')"
+        )
     return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
 

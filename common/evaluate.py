@@ -68,7 +68,9 @@ def score_groups(correct: list[bool], n: int, ks: tuple[int, ...]) -> dict[str, 
     return out
 
 
-def evaluate(engine, tokenizer, problems: list[dict], reward_fn: str, template: str, cfg: EvalConfig, seed: int, name: str) -> dict[str, float]:
+def evaluate(
+    engine, tokenizer, problems: list[dict], reward_fn: str, template: str, cfg: EvalConfig, seed: int, name: str
+) -> dict[str, float]:
     """Generate on ``problems`` with ``engine`` and return ``eval/<name>/...`` metrics.
 
     ``reward_fn`` names the verifier (a key of ``common.verifiers.REWARD_FNS``) that decides correctness.
@@ -95,7 +97,9 @@ def evaluate(engine, tokenizer, problems: list[dict], reward_fn: str, template: 
             continue
         metrics.update({f"eval/{name}/{key}": value for key, value in score_groups(correct, n, cfg.k).items()})
         metrics[f"eval/{name}/response_len"] = sum(len(c.token_ids) for c in completions) / len(completions)
-        metrics[f"eval/{name}/truncation_rate"] = sum(c.finish_reason == "length" for c in completions) / len(completions)
+        metrics[f"eval/{name}/truncation_rate"] = sum(c.finish_reason == "length" for c in completions) / len(
+            completions
+        )
     return metrics
 
 
@@ -139,7 +143,9 @@ def main() -> None:
     template = args.eval.template or info.default_template
     engine = make_engine(args.rollout, model, tokenizer, path, args.seed, max_model_len=4096 + args.eval.max_new_tokens)
     metrics = evaluate(engine, tokenizer, problems, info.reward_fn, template, args.eval, args.seed, args.dataset)
-    print(json.dumps({"model": args.model, "dataset": args.dataset, "protocol": vars(args.eval), **metrics}, default=list))
+    print(
+        json.dumps({"model": args.model, "dataset": args.dataset, "protocol": vars(args.eval), **metrics}, default=list)
+    )
 
 
 if __name__ == "__main__":

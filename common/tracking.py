@@ -23,6 +23,7 @@ import subprocess
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 
@@ -36,7 +37,10 @@ def git_state() -> dict[str, object]:
         except (OSError, subprocess.TimeoutExpired):
             return ""
 
-    return {"git_commit": run("git", "rev-parse", "HEAD") or None, "git_dirty": bool(run("git", "status", "--porcelain"))}
+    return {
+        "git_commit": run("git", "rev-parse", "HEAD") or None,
+        "git_dirty": bool(run("git", "status", "--porcelain")),
+    }
 
 
 def hardware() -> str:
@@ -70,7 +74,14 @@ class Tracker:
         if track:
             import wandb
 
-            self.wandb = wandb.init(project=project, name=self.run_dir.name, config=record, dir=str(self.run_dir), resume="allow", id=self.run_dir.name)
+            self.wandb = wandb.init(
+                project=project,
+                name=self.run_dir.name,
+                config=record,
+                dir=str(self.run_dir),
+                resume="allow",
+                id=self.run_dir.name,
+            )
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         """Append one metrics row (floats only) for ``step``."""
@@ -114,16 +125,18 @@ def seed_everything(seed: int) -> None:
 
 
 def rng_state() -> dict:
-    """Every RNG stream a run uses, for checkpoints."""
-    state = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    """Every global RNG stream a run or a library may draw from (Python, NumPy, torch CPU and CUDA)."""
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
 
 
 def set_rng_state(state: dict) -> None:
-    """Restore what ``rng_state`` saved."""
+    """Restore what ``rng_state`` saved (a state without a NumPy entry leaves NumPy's alone)."""
     random.setstate(state["python"])
+    if "numpy" in state:
+        np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])

@@ -4,7 +4,9 @@ import pytest
 import torch
 
 
-def assert_padding_changes_nothing(loss_fn, lp0: torch.Tensor, old: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor, garbage: float = 50.0):
+def assert_padding_changes_nothing(
+    loss_fn, lp0: torch.Tensor, old: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor, garbage: float = 50.0
+):
     """Rewriting every padded position changes neither the loss, its metrics, nor the gradient, and padded
     positions get zero gradient. ``loss_fn(logprobs, old_logprobs, adv, mask, shift) -> (loss, metrics)``; ``shift``
     is what was added to the padded positions (zeros for the clean call), for any further per-token input."""

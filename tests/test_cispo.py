@@ -4,9 +4,8 @@ import math
 
 import pytest
 import torch
-
 from conftest import load_algo
-from loss_checks import assert_micro_batches_accumulate, assert_padding_changes_nothing, random_batch
+from loss_checks import assert_padding_changes_nothing
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +61,9 @@ def test_no_lower_bound_on_the_weight(cispo):
 def test_gradient_matches_analytic_on_a_batch(cispo):
     torch.manual_seed(0)
     lp0 = torch.randn(3, 4) - 1
-    old = lp0 + torch.tensor([[0.0, 1.0, -2.0, 0.5], [3.0, -1.0, 0.0, 0.2], [0.1, 0.1, -0.1, 2.5]])  # ratios from e^-3 to e^2
+    old = lp0 + torch.tensor(
+        [[0.0, 1.0, -2.0, 0.5], [3.0, -1.0, 0.0, 0.2], [0.1, 0.1, -0.1, 2.5]]
+    )  # ratios from e^-3 to e^2
     adv = torch.tensor([1.0, -0.5, 2.0])
     mask = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0], [1, 1, 1, 0]])
     lp = lp0.clone().requires_grad_()
@@ -107,7 +108,13 @@ def test_padding_changes_nothing(cispo):
     torch.manual_seed(0)
     lp0 = torch.randn(3, 5)
     old, adv = lp0 + 0.5 * torch.randn(3, 5), torch.randn(3)
-    assert_padding_changes_nothing(lambda lp, o, a, m, shift: cispo.policy_loss(lp, o, a, m), lp0, old, adv, torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]]))
+    assert_padding_changes_nothing(
+        lambda lp, o, a, m, shift: cispo.policy_loss(lp, o, a, m),
+        lp0,
+        old,
+        adv,
+        torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]]),
+    )
 
 
 def test_micro_batches_and_processes_accumulate_to_the_minibatch_gradient(cispo):

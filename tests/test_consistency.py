@@ -1,11 +1,12 @@
 """Guards on the duplicated plumbing: every script shares grpo.py's flags, exposes the functions the
-design names, documents its delta, stays under the size cap, and imports without vLLM."""
+design names, documents its delta, stays under the size cap (formatted lines), and imports without vLLM."""
 
+import ast
 import dataclasses
+import subprocess
 import sys
 
 import pytest
-
 from conftest import REPO, load_algo
 
 SCRIPTS = sorted(p.stem for p in (REPO / "algos").glob("*.py"))
@@ -51,10 +52,29 @@ def test_required_functions_and_docstring(script):
     assert "vllm" not in sys.modules
 
 
+def formatted_code_lines(path) -> list[str]:
+    """The non-blank lines of ``path`` as ``ruff format`` (the repo's pyproject.toml) would write it."""
+    result = subprocess.run(
+        [sys.executable, "-m", "ruff", "format", "--stdin-filename", str(path), "-"],
+        input=path.read_text(),
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        check=True,
+    )
+    return [line for line in result.stdout.splitlines() if line.strip()]
+
+
 @pytest.mark.parametrize("script", SCRIPTS)
-def test_size_cap(script):
-    lines = (REPO / "algos" / f"{script}.py").read_text().count("\n")
-    assert lines <= 600, f"{script}.py has {lines} lines (cap 600)"
+def test_size_cap_on_formatted_code(script):
+    """Caps count formatted, non-blank lines, so wide lines cannot get a script under them."""
+    path = REPO / "algos" / f"{script}.py"
+    lines = formatted_code_lines(path)
+    cap = 420 if script == "grpo" else 500
+    assert len(lines) <= cap, f"{script}.py has {len(lines)} non-blank formatted lines (cap {cap})"
+    main = next(n for n in ast.parse(path.read_text()).body if isinstance(n, ast.FunctionDef) and n.name == "main")
+    main_cap = 200 if script == "grpo" else 260
+    assert main.end_lineno - main.lineno + 1 <= main_cap, f"{script}.py main() is over {main_cap} lines"
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
@@ -65,5 +85,9 @@ def test_every_logprob_call_follows_the_lm_head_flag(script):
 
     source = (REPO / "algos" / f"{script}.py").read_text()
     calls = re.findall(r"token_logprobs(?:_batched)?\((?:[^()]|\([^()]*\))*\)", source)
-    assert calls and all("fp32_head" in call for call in calls), [c for c in calls if "fp32_head" not in c]
-    assert "fp32_head = use_fp32_head(args.rollout, device)" in source
+    assert calls and all("fp32_head=run.fp32_head" in call or "*logprob_args" in call for call in calls), [
+        c for c in calls if "fp32_head" not in c and "*logprob_args" not in c
+    ]
+    if "*logprob_args" in source:  # the shared positional arguments end with the run's head precision
+        assert re.search(r"logprob_args = \([^)]*run\.fp32_head,?\s*\)", source)
+    assert "run = start_run(args)" in source  # start_run resolves --rollout.fp32-lm-head for the run's device

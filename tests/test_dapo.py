@@ -4,9 +4,8 @@ import math
 
 import pytest
 import torch
-
 from conftest import load_algo
-from loss_checks import assert_micro_batches_accumulate, assert_padding_changes_nothing, random_batch
+from loss_checks import assert_padding_changes_nothing
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +50,9 @@ def test_clip_higher_keeps_gradient_at_1_25_for_positive_advantage(dapo):
     assert grad == 0.0
 
 
-@pytest.mark.parametrize("adv, ratio, has_grad", [(-1.0, 0.79, False), (-1.0, 0.81, True), (-1.0, 1.35, True), (1.0, 0.5, True)])
+@pytest.mark.parametrize(
+    "adv, ratio, has_grad", [(-1.0, 0.79, False), (-1.0, 0.81, True), (-1.0, 1.35, True), (1.0, 0.5, True)]
+)
 def test_lower_clip_stays_at_0_2(dapo, adv, ratio, has_grad):
     grad, metrics = _token_grad(dapo, adv, ratio)
     assert (grad != 0.0) == has_grad
@@ -116,7 +117,13 @@ def test_padding_changes_nothing(dapo):
     torch.manual_seed(0)
     lp0 = torch.randn(3, 5)
     old, adv = lp0 + 0.1 * torch.randn(3, 5), torch.randn(3)
-    assert_padding_changes_nothing(lambda lp, o, a, m, shift: dapo.policy_loss(lp, o, a, m), lp0, old, adv, torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]]))
+    assert_padding_changes_nothing(
+        lambda lp, o, a, m, shift: dapo.policy_loss(lp, o, a, m),
+        lp0,
+        old,
+        adv,
+        torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]]),
+    )
 
 
 def _random_batch(seed=1, rows=5, width=7):

@@ -1,4 +1,4 @@
-"""Unit tests for common/data.py: the arith task, the resumable prompt order, JSONL loading, the
+"""Unit tests for common/data.py and common/tasks.py: the arith task, the resumable prompt order, JSONL loading, the
 dataset registry, every hub row mapper on fixture rows that mirror the hub schemas (no network),
 and the prompt templates rendered with the shipped tiny model's tokenizer."""
 
@@ -12,22 +12,19 @@ import types
 
 import pytest
 
-from common import data
+from common import data, tasks
 from common.data import (
-    ARITH_SPECS,
     DATASETS,
-    HUB_SOURCES,
     TEMPLATES,
     TINY_MODEL_DIR,
     dataset_info,
     format_prompt,
     load_problems,
-    make_arith_problems,
-    map_hub_rows,
     prompt_batch,
-    teacher_completion,
     validate_rows,
 )
+from common.hub_data import HUB_SOURCES, HubUnavailableError, map_hub_rows, teacher_completion
+from common.tasks import ARITH_SPECS, make_arith_problems
 
 
 # ----------------------------------------------------------------------------------------------
@@ -53,21 +50,25 @@ def check_worked_solution(problem: dict) -> None:
 @pytest.mark.parametrize("name", sorted(ARITH_SPECS))
 def test_arith_splits_disjoint_deterministic_and_correct(name):
     train, test = load_problems(name, "train"), load_problems(name, "test")
-    assert len(train) == data.ARITH_TRAIN_SIZE and len(test) == data.ARITH_TEST_SIZE
+    assert len(train) == tasks.ARITH_TRAIN_SIZE and len(test) == tasks.ARITH_TEST_SIZE
     assert not {p["prompt"] for p in train} & {p["prompt"] for p in test}
     for p in test + train[::5]:  # every 5th train problem keeps this fast; the generator is shared
         check_worked_solution(p)
     spec = ARITH_SPECS[name]
     # regenerating from the seeds (no cache) gives the same problems in the same order
-    fresh_test = make_arith_problems(data.ARITH_TEST_SIZE, data.ARITH_TEST_SEED, spec)
+    fresh_test = make_arith_problems(tasks.ARITH_TEST_SIZE, tasks.ARITH_TEST_SEED, spec)
     assert fresh_test == test
-    assert make_arith_problems(500, data.ARITH_TRAIN_SEED, spec, {p["prompt"] for p in test}) == train[:500]
+    assert make_arith_problems(500, tasks.ARITH_TRAIN_SEED, spec, {p["prompt"] for p in test}) == train[:500]
     assert load_problems(name, "train") == train
 
 
 def test_arith_stream_is_pinned():
     # the shipped tiny model was warm-started on this exact stream: a change here silently mixes splits
-    assert load_problems("arith", "test")[0] == {"prompt": "1-9-9=?", "answer": "-17", "solution": "1-9=-8;-8-9=-17;\\boxed{-17}"}
+    assert load_problems("arith", "test")[0] == {
+        "prompt": "1-9-9=?",
+        "answer": "-17",
+        "solution": "1-9=-8;-8-9=-17;\\boxed{-17}",
+    }
     assert load_problems("arith", "train")[0]["prompt"] == "6-6-0=?"
     assert load_problems("arith-hard", "test")[0]["prompt"] == "1-9-9+8=?"  # 4 one-digit operands (LUFFY demo)
 
@@ -79,7 +80,7 @@ def test_arith_check_catches_a_wrong_step():
 
 
 def test_arith_loading_is_cheap_and_returns_copies():
-    data._arith_split.cache_clear()
+    tasks._arith_split.cache_clear()
     start = time.perf_counter()
     train = load_problems("arith", "train")
     cold = time.perf_counter() - start
@@ -154,7 +155,11 @@ def write_jsonl(tmp_path, lines) -> str:
 def test_jsonl_good_file(tmp_path):
     path = write_jsonl(
         tmp_path,
-        [{"prompt": "1+1?", "answer": " 2 ", "solution": "1+1=2 \\boxed{2}"}, "", {"prompt": "2+2?", "answer": "4", "extra": 1}],
+        [
+            {"prompt": "1+1?", "answer": " 2 ", "solution": "1+1=2 \\boxed{2}"},
+            "",
+            {"prompt": "2+2?", "answer": "4", "extra": 1},
+        ],
     )
     info = dataset_info(f"jsonl:{path}")
     assert info.reward_fn == "math" and info.default_template in TEMPLATES
@@ -274,7 +279,14 @@ MATH500_ROW = {
     "level": 2,
     "unique_id": "test/precalculus/807.json",
 }
-AIME24_ROW = {"id": 60, "problem": "Every morning Aya walks...", "solution": "... the answer is $\\boxed{204}$.", "answer": "204", "url": "https://...", "year": "2024"}
+AIME24_ROW = {
+    "id": 60,
+    "problem": "Every morning Aya walks...",
+    "solution": "... the answer is $\\boxed{204}$.",
+    "answer": "204",
+    "url": "https://...",
+    "year": "2024",
+}
 AIME25_ROW = {"problem": "Find the sum of all integer bases $b>9$ ...", "answer": "70", "id": "0"}
 DAPO17K_ROW = {
     "prompt": "In triangle $ABC$, $\\sin \\angle A = \\frac{4}{5}$ ... find $a + b + c$.",
@@ -287,7 +299,9 @@ DAPO17K_ROW = {
 }
 LUFFY_ROW = {
     "data_source": "openr1",
-    "prompt": verl_prompt("Find $x$ if $2x=14$.", system="Your role as an assistant involves thoroughly exploring questions ..."),
+    "prompt": verl_prompt(
+        "Find $x$ if $2x=14$.", system="Your role as an assistant involves thoroughly exploring questions ..."
+    ),
     "ability": "math",
     "reward_model": {"ground_truth": "7", "style": "rule"},
     "extra_info": {"index": -1, "split": "default"},
@@ -295,27 +309,59 @@ LUFFY_ROW = {
 }
 EURUS_MATH_ROW = {
     "data_source": "numina_olympiads",
-    "prompt": verl_prompt("Compute $1/2+1/2$.\n\nPresent the answer in LaTex format: \\boxed{Your answer}", system="When tackling complex reasoning tasks, you have access to the following actions. [ASSESS] ..."),
+    "prompt": verl_prompt(
+        "Compute $1/2+1/2$.\n\nPresent the answer in LaTex format: \\boxed{Your answer}",
+        system="When tackling complex reasoning tasks, you have access to the following actions. [ASSESS] ...",
+    ),
     "ability": "math",
     "reward_model": {"ground_truth": "1", "style": "rule"},
     "extra_info": {"index": 0, "split": "dummy"},
 }
-EURUS_CODE_ROW = {**EURUS_MATH_ROW, "data_source": "codecontests", "ability": "code", "reward_model": {"ground_truth": '{"inputs": ["1"], "outputs": ["2"]}', "style": "rule"}}
+EURUS_CODE_ROW = {
+    **EURUS_MATH_ROW,
+    "data_source": "codecontests",
+    "ability": "code",
+    "reward_model": {"ground_truth": '{"inputs": ["1"], "outputs": ["2"]}', "style": "rule"},
+}
 
 
 @pytest.mark.parametrize(
     "name, row, expected",
     [
-        ("gsm8k", GSM8K_ROW, {"prompt": GSM8K_ROW["question"], "answer": "1072", "solution": "In May she sold 48/2 = 24 clips.\nIn total 48+24 = 72 clips.\n\\boxed{1072}"}),
+        (
+            "gsm8k",
+            GSM8K_ROW,
+            {
+                "prompt": GSM8K_ROW["question"],
+                "answer": "1072",
+                "solution": "In May she sold 48/2 = 24 clips.\nIn total 48+24 = 72 clips.\n\\boxed{1072}",
+            },
+        ),
         ("math", MATH_ROW, {"prompt": MATH_ROW["problem"], "answer": "\\frac{3}{4}", "solution": MATH_ROW["solution"]}),
-        ("math500", MATH500_ROW, {"prompt": MATH500_ROW["problem"], "answer": MATH500_ROW["answer"], "solution": MATH500_ROW["solution"]}),
+        (
+            "math500",
+            MATH500_ROW,
+            {"prompt": MATH500_ROW["problem"], "answer": MATH500_ROW["answer"], "solution": MATH500_ROW["solution"]},
+        ),
         ("aime24", AIME24_ROW, {"prompt": AIME24_ROW["problem"], "answer": "204", "solution": AIME24_ROW["solution"]}),
-        ("aime24", {**AIME24_ROW, "answer": "033"}, {"prompt": AIME24_ROW["problem"], "answer": "33", "solution": AIME24_ROW["solution"]}),
+        (
+            "aime24",
+            {**AIME24_ROW, "answer": "033"},
+            {"prompt": AIME24_ROW["problem"], "answer": "33", "solution": AIME24_ROW["solution"]},
+        ),
         ("aime25", AIME25_ROW, {"prompt": AIME25_ROW["problem"], "answer": "70", "solution": ""}),
         ("aime25", {**AIME25_ROW, "answer": 70}, {"prompt": AIME25_ROW["problem"], "answer": "70", "solution": ""}),
         ("dapo17k", DAPO17K_ROW, {"prompt": DAPO17K_ROW["prompt"], "answer": "34", "solution": ""}),
-        ("openr1-luffy", LUFFY_ROW, {"prompt": "Find $x$ if $2x=14$.", "answer": "7", "solution": LUFFY_ROW["target"][0]["content"]}),
-        ("eurus2-rl", EURUS_MATH_ROW, {"prompt": EURUS_MATH_ROW["prompt"][1]["content"], "answer": "1", "solution": ""}),
+        (
+            "openr1-luffy",
+            LUFFY_ROW,
+            {"prompt": "Find $x$ if $2x=14$.", "answer": "7", "solution": LUFFY_ROW["target"][0]["content"]},
+        ),
+        (
+            "eurus2-rl",
+            EURUS_MATH_ROW,
+            {"prompt": EURUS_MATH_ROW["prompt"][1]["content"], "answer": "1", "solution": ""},
+        ),
     ],
 )
 def test_hub_row_mappers(name, row, expected):
@@ -325,7 +371,9 @@ def test_hub_row_mappers(name, row, expected):
 
 
 def test_eurus_keeps_math_only_and_reports_hub_row_index():
-    assert map_hub_rows("eurus2-rl", [EURUS_CODE_ROW, EURUS_MATH_ROW, EURUS_CODE_ROW]) == map_hub_rows("eurus2-rl", [EURUS_MATH_ROW])
+    assert map_hub_rows("eurus2-rl", [EURUS_CODE_ROW, EURUS_MATH_ROW, EURUS_CODE_ROW]) == map_hub_rows(
+        "eurus2-rl", [EURUS_MATH_ROW]
+    )
     bad = {**EURUS_MATH_ROW, "reward_model": {"style": "rule"}}
     with pytest.raises(ValueError, match=r"row 2: field 'reward_model.ground_truth': missing"):
         map_hub_rows("eurus2-rl", [EURUS_CODE_ROW, EURUS_MATH_ROW, bad])
@@ -360,8 +408,20 @@ def without(row: dict, key: str) -> dict:
         ("dapo17k", DAPO17K_ROW, without(DAPO17K_ROW, "solution"), "solution", "missing"),
         ("openr1-luffy", LUFFY_ROW, {**LUFFY_ROW, "target": []}, "target", "non-empty list"),
         ("openr1-luffy", LUFFY_ROW, {**LUFFY_ROW, "target": [{"role": "assistant"}]}, "target[0].content", "missing"),
-        ("openr1-luffy", LUFFY_ROW, {**LUFFY_ROW, "prompt": verl_prompt("q")[:1]}, "prompt", "no message with role 'user'"),
-        ("openr1-luffy", LUFFY_ROW, {**LUFFY_ROW, "reward_model": {"style": "rule"}}, "reward_model.ground_truth", "missing"),
+        (
+            "openr1-luffy",
+            LUFFY_ROW,
+            {**LUFFY_ROW, "prompt": verl_prompt("q")[:1]},
+            "prompt",
+            "no message with role 'user'",
+        ),
+        (
+            "openr1-luffy",
+            LUFFY_ROW,
+            {**LUFFY_ROW, "reward_model": {"style": "rule"}},
+            "reward_model.ground_truth",
+            "missing",
+        ),
         ("eurus2-rl", EURUS_MATH_ROW, without(EURUS_MATH_ROW, "ability"), "ability", "missing"),
         ("eurus2-rl", EURUS_MATH_ROW, {**EURUS_MATH_ROW, "prompt": "plain text"}, "prompt", "list of chat messages"),
         ("eurus2-rl", EURUS_MATH_ROW, {**EURUS_MATH_ROW, "prompt": verl_prompt("")}, "prompt[user].content", "empty"),
@@ -379,7 +439,9 @@ def test_hub_row_mappers_reject_malformed_rows(name, good, bad, field, reason):
 
 def test_teacher_completion_strips_a_duplicated_think():
     trace = "<think>\nDivide by 2.\n</think>\n\\boxed{7}"
-    assert teacher_completion(trace, "<|im_start|>assistant\n<think>\n") == "Divide by 2.\n</think>\n\\boxed{7}"  # LUFFY's rule
+    assert (
+        teacher_completion(trace, "<|im_start|>assistant\n<think>\n") == "Divide by 2.\n</think>\n\\boxed{7}"
+    )  # LUFFY's rule
     assert teacher_completion(trace, data.R1_ZERO.format(prompt="q")) == "\nDivide by 2.\n</think>\n\\boxed{7}"
     assert teacher_completion(trace, "<|im_start|>assistant\n") == trace
     assert teacher_completion("Divide by 2.", "Assistant: <think>") == "Divide by 2."
@@ -411,7 +473,11 @@ def test_hub_loader_maps_splits_and_validates(fake_hub):
     assert len(load_problems("gsm8k", "test")) == 2
     assert load_problems("aime24", dataset_info("aime24").eval_split)[0]["answer"] == "204"
     assert len(dataset_info("math:4-5").loader("train")) == 2
-    assert fake_hub == [("openai/gsm8k", "main", "test"), ("HuggingFaceH4/aime_2024", None, "train"), ("DigitalLearningGmbH/MATH-lighteval", None, "train")]
+    assert fake_hub == [
+        ("openai/gsm8k", "main", "test"),
+        ("HuggingFaceH4/aime_2024", None, "train"),
+        ("DigitalLearningGmbH/MATH-lighteval", None, "train"),
+    ]
 
 
 def test_hub_loader_unknown_split_lists_splits(fake_hub):
@@ -421,10 +487,18 @@ def test_hub_loader_unknown_split_lists_splits(fake_hub):
 
 
 def test_hub_unreachable_error_names_the_dataset(fake_hub):
-    with pytest.raises(data.HubUnavailableError) as err:
+    with pytest.raises(HubUnavailableError) as err:
         load_problems("eurus2-rl", "train")
     message = str(err.value)
-    for text in ["'eurus2-rl'", "PRIME-RL/Eurus-2-RL-Data", "split 'train'", "ConnectionError", "unreachable or offline", "HF_HUB_OFFLINE", "jsonl:<path>"]:
+    for text in [
+        "'eurus2-rl'",
+        "PRIME-RL/Eurus-2-RL-Data",
+        "split 'train'",
+        "ConnectionError",
+        "unreachable or offline",
+        "HF_HUB_OFFLINE",
+        "jsonl:<path>",
+    ]:
         assert text in message, text
 
 
@@ -453,7 +527,10 @@ def test_format_prompt_templates(tokenizer):
     chat = format_prompt(q, "chat", tokenizer)
     assert chat == f"<|im_start|>user\n{q}<|im_end|>\n<|im_start|>assistant\n"
     qwen = format_prompt(q, "qwen-math", tokenizer)
-    assert qwen == f"<|im_start|>system\n{data.QWEN_MATH_SYSTEM}<|im_end|>\n<|im_start|>user\n{q}<|im_end|>\n<|im_start|>assistant\n"
+    assert (
+        qwen == f"<|im_start|>system\n{data.QWEN_MATH_SYSTEM}<|im_end|>\n"
+        f"<|im_start|>user\n{q}<|im_end|>\n<|im_start|>assistant\n"
+    )
     dapo = format_prompt(q, "dapo", tokenizer)
     assert dapo.startswith(
         "<|im_start|>user\nSolve the following math problem step by step. The last line of your response should be of "

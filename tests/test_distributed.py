@@ -9,14 +9,35 @@ import sys
 
 import pytest
 import torch
+from conftest import REPO
 from safetensors.torch import load_file
 
-from conftest import REPO
-
-FLAGS = ["--prompts-per-step", "4", "--group-size", "4", "--max-new-tokens", "24", "--micro-batch-size", "8",
-         "--total-steps", "2", "--eval-every", "100", "--eval.max-problems", "4", "--eval.n", "1", "--eval.k", "1",
-         "--kl-coef", "0.04", "--save-every", "1",
-         "--mixed-precision", "no"]  # fp32: bf16 autocast rounds per micro-batch shape (measured gap 1.5e-2 with bf16)
+FLAGS = [
+    "--prompts-per-step",
+    "4",
+    "--group-size",
+    "4",
+    "--max-new-tokens",
+    "24",
+    "--micro-batch-size",
+    "8",
+    "--total-steps",
+    "2",
+    "--eval-every",
+    "100",
+    "--eval.max-problems",
+    "4",
+    "--eval.n",
+    "1",
+    "--eval.k",
+    "1",
+    "--kl-coef",
+    "0.04",
+    "--save-every",
+    "1",
+    "--mixed-precision",
+    "no",
+]  # fp32: bf16 autocast rounds per micro-batch shape (measured gap 1.5e-2 with bf16)
 
 
 # what each script adds to the check: grpo the plain per-sequence loss, luffy a global token-mean normaliser
@@ -31,11 +52,28 @@ SCRIPT_FLAGS = {
 
 def launch(tmp_path, name, nproc, algo="grpo"):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1"}
-    script = [str(REPO / "algos" / f"{algo}.py"), "--output-dir", str(tmp_path), "--run-name", name, *FLAGS, *SCRIPT_FLAGS[algo]]
+    script = [
+        str(REPO / "algos" / f"{algo}.py"),
+        "--output-dir",
+        str(tmp_path),
+        "--run-name",
+        name,
+        *FLAGS,
+        *SCRIPT_FLAGS[algo],
+    ]
     if nproc == 1:
         cmd = [sys.executable, *script]
     else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port", "29533", *script]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            str(nproc),
+            "--master_port",
+            "29533",
+            *script,
+        ]
     result = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
     return result
@@ -56,7 +94,10 @@ def test_two_processes_match_one(tmp_path, algo):
     # process, or a per-rank loss normaliser) gives a relative gap of 0.1-1
     assert d1.abs().max() > 1e-5
     rel = ((d1 - d2).norm() / d1.norm()).item()
-    print(f"{algo}: 1 vs 2 processes, relative L2 gap of the updates {rel:.1e}, largest element gap {(d1 - d2).abs().max().item():.1e}")
+    print(
+        f"{algo}: 1 vs 2 processes, relative L2 gap of the updates {rel:.1e}, "
+        f"largest element gap {(d1 - d2).abs().max().item():.1e}"
+    )
     assert rel < 1e-3, f"1-process vs 2-process updates differ: relative L2 gap {rel:.2e}"
     # the same samples and rewards (per-prompt seeds), logged once, by rank 0
     rows1 = [json.loads(l) for l in (tmp_path / "one" / "metrics.jsonl").read_text().splitlines()]
@@ -65,5 +106,7 @@ def test_two_processes_match_one(tmp_path, algo):
     train2 = [r for r in rows2 if "train/reward" in r]
     assert [r["step"] for r in train2] == [1, 2]
     for a, b in zip(train1, train2):
-        assert a["train/reward"] == pytest.approx(b["train/reward"]) and a["train/response_len"] == pytest.approx(b["train/response_len"])
+        assert a["train/reward"] == pytest.approx(b["train/reward"]) and a["train/response_len"] == pytest.approx(
+            b["train/response_len"]
+        )
     assert len(list((tmp_path / "two" / "checkpoints").glob("step_*"))) == 2

@@ -9,7 +9,6 @@ import math
 
 import pytest
 import torch
-
 from conftest import load_algo
 from loss_checks import assert_micro_batches_accumulate, assert_padding_changes_nothing
 
@@ -35,6 +34,7 @@ def grad_of(dppo, lp, old, adv, mask=None, **kw):
 
 # --- advantages ---------------------------------------------------------------------------------------------
 
+
 def test_advantages_are_reward_minus_group_mean_without_std(dppo):
     adv = dppo.compute_advantages(torch.tensor([1.0, 0, 0, 0, 2.0, 2.0, 2.0, 2.0, 0.5, 1.5, 0.0, 2.0]), group_size=4)
     assert torch.allclose(adv[:4], torch.tensor([0.75, -0.25, -0.25, -0.25]))  # std-normalised would be 1.5, -0.5
@@ -51,16 +51,17 @@ def test_advantages_are_reward_minus_group_mean_without_std(dppo):
 
 # --- the mask: direction, rare and frequent tokens, binary KL ------------------------------------------------
 
+
 @pytest.mark.parametrize(
     "adv, mu, pi, blocked",
     [
-        (1.0, 0.5, 0.7, True),    # A > 0, moved up by 0.2 > δ: blocked
-        (1.0, 0.5, 0.3, False),   # A > 0, moved DOWN by 0.2: the update pushes it back, keep
-        (-1.0, 0.5, 0.3, True),   # A < 0, moved down by 0.2 > δ: blocked
+        (1.0, 0.5, 0.7, True),  # A > 0, moved up by 0.2 > δ: blocked
+        (1.0, 0.5, 0.3, False),  # A > 0, moved DOWN by 0.2: the update pushes it back, keep
+        (-1.0, 0.5, 0.3, True),  # A < 0, moved down by 0.2 > δ: blocked
         (-1.0, 0.5, 0.7, False),  # A < 0, moved UP by 0.2: keep
         (1.0, 0.5, 0.64, False),  # A > 0, moved up by 0.14 < δ: inside the trust region
         (-1.0, 0.5, 0.36, False),  # mirror
-        (0.0, 0.5, 0.9, False),   # A = 0 is never counted as blocked
+        (0.0, 0.5, 0.9, False),  # A = 0 is never counted as blocked
     ],
 )
 def test_binary_tv_blocks_only_moves_past_delta_in_the_advantage_direction(dppo, adv, mu, pi, blocked):
@@ -78,7 +79,9 @@ def test_rare_token_is_not_masked_although_its_ratio_is_100(dppo):
     # μ = 1e-5 -> π = 1e-3: ρ = 100 (PPO with ε = 0.2 would clip it), TV = 0.00099, KL = 0.000944
     for divergence, delta in (("binary_tv", 0.15), ("binary_kl", 0.05)):
         lp, old = one_token(1e-5, 1e-3)
-        grad, _, metrics = grad_of(dppo, lp, old, torch.tensor([1.0]), delta=delta, divergence=divergence, max_new_tokens=1)
+        grad, _, metrics = grad_of(
+            dppo, lp, old, torch.tensor([1.0]), delta=delta, divergence=divergence, max_new_tokens=1
+        )
         assert metrics["clip_frac"] == 0.0
         assert grad.item() == pytest.approx(-100.0, rel=1e-4)  # -min(ρ, C)·A with C = 10^4
     # a small cap C truncates the detached IS weight but does not block the token
@@ -91,7 +94,9 @@ def test_frequent_token_is_masked_although_its_ratio_is_inside_ppo_clip(dppo):
     # μ = 0.99 -> π = 0.8: ρ = 0.808 (inside [0.8, 1.2]), TV = 0.19 > 0.15, KL = 0.181005 > 0.05
     for divergence, delta in (("binary_tv", 0.15), ("binary_kl", 0.05)):
         lp, old = one_token(0.99, 0.8)
-        grad, _, metrics = grad_of(dppo, lp, old, torch.tensor([-1.0]), delta=delta, divergence=divergence, max_new_tokens=1)
+        grad, _, metrics = grad_of(
+            dppo, lp, old, torch.tensor([-1.0]), delta=delta, divergence=divergence, max_new_tokens=1
+        )
         assert grad.item() == 0.0 and metrics["masked_frac_neg"] == 1.0
         # the same move with A > 0 is a move against the advantage: kept, weight ρ = 0.8/0.99
         lp, old = one_token(0.99, 0.8)
@@ -130,6 +135,7 @@ def test_binary_kl_and_tv_disagree_where_they_should(dppo):
 
 # --- gradient, aggregation, invariances ------------------------------------------------------------------------
 
+
 def test_masked_tokens_get_zero_gradient_and_the_rest_minus_rho_a_over_normaliser(dppo):
     mu = torch.tensor([[0.5, 0.5, 0.9, 0.2], [0.5, 0.99, 0.3, 0.6]])
     pi = torch.tensor([[0.7, 0.4, 0.95, 0.25], [0.3, 0.8, 0.5, 0.6]])
@@ -156,7 +162,9 @@ def test_on_policy_first_minibatch_is_plain_reinforce(dppo):
     # π = μ: nothing is blocked and the gradient is -A/(B·L_max) on every generated token
     lp0 = torch.tensor([[-0.5, -1.0, -2.0], [-0.1, -0.2, -0.3]])
     lp = lp0.clone().requires_grad_()
-    grad, _, metrics = grad_of(dppo, lp, lp0.clone(), torch.tensor([2.0, -1.0]), torch.tensor([[1, 1, 0], [1, 1, 1]]), max_new_tokens=8)
+    grad, _, metrics = grad_of(
+        dppo, lp, lp0.clone(), torch.tensor([2.0, -1.0]), torch.tensor([[1, 1, 0], [1, 1, 1]]), max_new_tokens=8
+    )
     assert torch.allclose(grad, torch.tensor([[-2.0, -2.0, 0.0], [1.0, 1.0, 1.0]]) / 16)
     assert metrics["clip_frac"] == 0.0 and metrics["ratio"] == pytest.approx(1.0)
 
@@ -170,7 +178,13 @@ def test_normaliser_is_constant_not_the_token_count(dppo):
     assert loss.item() == pytest.approx(5 * 1.0 / 20)  # -A·logπ = 1 per token, 5 tokens, B·L_max = 20
     # extra padded columns change nothing when L_max is fixed
     wide = torch.cat([lp0, torch.full((2, 3), -7.0)], 1)
-    loss_wide, _ = dppo.policy_loss(wide.clone().requires_grad_(), wide, adv, torch.cat([mask, torch.zeros(2, 3, dtype=torch.long)], 1), max_new_tokens=10)
+    loss_wide, _ = dppo.policy_loss(
+        wide.clone().requires_grad_(),
+        wide,
+        adv,
+        torch.cat([mask, torch.zeros(2, 3, dtype=torch.long)], 1),
+        max_new_tokens=10,
+    )
     assert loss_wide.item() == pytest.approx(loss.item())
 
 
@@ -197,8 +211,11 @@ def test_micro_batches_accumulate_to_the_minibatch_gradient(dppo, divergence):
     assert 0 < metrics["clip_frac"] < 1  # the test exercises both blocked and kept tokens
     assert_micro_batches_accumulate(
         lambda lp: dppo.policy_loss(lp, old, adv, mask, divergence=divergence, max_new_tokens=6)[0],
-        lambda lp, rows: dppo.policy_loss(lp[rows], old[rows], adv[rows], mask[rows], divergence=divergence, max_new_tokens=6, num_sequences=4)[0],
-        lp0, (slice(0, 1), slice(1, 4)),
+        lambda lp, rows: dppo.policy_loss(
+            lp[rows], old[rows], adv[rows], mask[rows], divergence=divergence, max_new_tokens=6, num_sequences=4
+        )[0],
+        lp0,
+        (slice(0, 1), slice(1, 4)),
     )
 
 
@@ -206,7 +223,9 @@ def test_optional_k3_kl_to_a_reference(dppo):
     lp0 = torch.tensor([[-1.0, -2.0]])
     ref = torch.tensor([[-1.5, -2.0]])
     lp = lp0.clone().requires_grad_()
-    loss, metrics = dppo.policy_loss(lp, lp0, torch.zeros(1), torch.ones(1, 2), kl_coef=0.5, ref_logprobs=ref, max_new_tokens=4)
+    loss, metrics = dppo.policy_loss(
+        lp, lp0, torch.zeros(1), torch.ones(1, 2), kl_coef=0.5, ref_logprobs=ref, max_new_tokens=4
+    )
     loss.backward()
     k3 = math.exp(-0.5) + 0.5 - 1  # π_ref/π - log(π_ref/π) - 1 on the first token, 0 on the second
     assert loss.item() == pytest.approx(0.5 * k3 / 4)

@@ -4,7 +4,6 @@ import math
 
 import pytest
 import torch
-
 from conftest import load_algo
 
 L_MAX = 4
@@ -87,7 +86,9 @@ def test_garbage_in_padded_positions_changes_nothing(dr):
     garbage = (1 - mask) * 50.0
     lp_a, lp_b = lp0.clone().requires_grad_(), (lp0 + garbage).requires_grad_()
     loss_a, _ = dr.policy_loss(lp_a, old, adv, mask, max_new_tokens=5, kl_coef=0.1, ref_logprobs=old - 0.05)
-    loss_b, _ = dr.policy_loss(lp_b, old - garbage, adv + garbage, mask, max_new_tokens=5, kl_coef=0.1, ref_logprobs=old - 0.05 + garbage)
+    loss_b, _ = dr.policy_loss(
+        lp_b, old - garbage, adv + garbage, mask, max_new_tokens=5, kl_coef=0.1, ref_logprobs=old - 0.05 + garbage
+    )
     loss_a.backward()
     loss_b.backward()
     assert loss_a.item() == pytest.approx(loss_b.item(), abs=1e-6)
@@ -141,7 +142,9 @@ def test_micro_batches_accumulate_to_the_minibatch_gradient(dr):
     for rows in (slice(0, 1), slice(1, 4)):
         # each micro-batch is padded only to its own width: the constant normaliser does not care
         width = int(mask[rows].sum(-1).max()) if rows.start == 0 else 6
-        dr.policy_loss(parts[rows, :width], old[rows, :width], adv[rows], mask[rows, :width], max_new_tokens=8, num_sequences=4)[0].backward()
+        dr.policy_loss(
+            parts[rows, :width], old[rows, :width], adv[rows], mask[rows, :width], max_new_tokens=8, num_sequences=4
+        )[0].backward()
     assert torch.allclose(whole.grad, parts.grad, atol=1e-7)
 
 

@@ -6,12 +6,12 @@ import subprocess
 import sys
 
 import pytest
+from conftest import REPO
 from transformers import AutoTokenizer
 
 from common.data import TINY_MODEL_DIR
 from common.evaluate import EvalConfig, evaluate, pass_at_k, score_groups
 from common.rollout import Completion
-from conftest import REPO
 
 
 @pytest.mark.parametrize("n", [1, 2, 5, 7])
@@ -70,7 +70,20 @@ def test_evaluate_scores_what_the_engine_returns():
 
 
 def test_evaluate_cli_on_the_shipped_model():
-    cmd = [sys.executable, "-m", "common.evaluate", "--dataset", "arith", "--eval.n", "2", "--eval.k", "1", "2", "--eval.max-problems", "10"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "common.evaluate",
+        "--dataset",
+        "arith",
+        "--eval.n",
+        "2",
+        "--eval.k",
+        "1",
+        "2",
+        "--eval.max-problems",
+        "10",
+    ]
     result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     record = json.loads(result.stdout.strip().splitlines()[-1])

@@ -4,11 +4,11 @@ import math
 
 import pytest
 import torch
+from loss_checks import assert_micro_batches_accumulate, assert_padding_changes_nothing, random_batch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from common.data import TINY_MODEL_DIR, format_prompt
 from common.rollout import HFEngine, left_pad
-from loss_checks import assert_micro_batches_accumulate, assert_padding_changes_nothing, random_batch
 
 
 def test_advantages_hand_values(grpo):
@@ -50,7 +50,9 @@ def test_padding_changes_nothing(grpo):
     old, adv = lp0 + 0.1 * torch.randn(3, 5), torch.randn(3)
     ref = old - 0.05  # the KL term's reference log-probs are rewritten at the padded positions too
     loss = lambda lp, o, a, m, shift: grpo.policy_loss(lp, o, a, m, kl_coef=0.1, ref_logprobs=ref + shift)
-    assert_padding_changes_nothing(loss, lp0, old, adv, torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]]))
+    assert_padding_changes_nothing(
+        loss, lp0, old, adv, torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]])
+    )
 
 
 @pytest.mark.parametrize(
@@ -100,7 +102,8 @@ def test_micro_batches_accumulate_to_the_minibatch_gradient(grpo):
     assert_micro_batches_accumulate(
         lambda lp: grpo.policy_loss(lp, old, adv, mask)[0],
         lambda lp, rows: grpo.policy_loss(lp[rows], old[rows], adv[rows], mask[rows], num_sequences=4)[0],
-        lp0, (slice(0, 1), slice(1, 4)),
+        lp0,
+        (slice(0, 1), slice(1, 4)),
     )
 
 
@@ -116,7 +119,9 @@ def test_token_logprobs_ignore_left_padding(grpo, tiny):
     ids, am = left_pad([short, long], tok.pad_token_id, "cpu")
     with torch.no_grad():
         batched, _ = grpo.token_logprobs(model, ids, am, 4, 0.7)
-        alone, _ = grpo.token_logprobs(model, torch.tensor([short]), torch.ones(1, len(short), dtype=torch.long), 4, 0.7)
+        alone, _ = grpo.token_logprobs(
+            model, torch.tensor([short]), torch.ones(1, len(short), dtype=torch.long), 4, 0.7
+        )
         manual = torch.log_softmax(model(torch.tensor([short])).logits[0, -5:-1].float() / 0.7, -1)
     assert torch.allclose(batched[0], alone[0], atol=1e-5)
     assert torch.allclose(alone[0], manual.gather(-1, torch.tensor(short[-4:])[:, None]).squeeze(-1), atol=1e-5)
@@ -130,6 +135,8 @@ def test_sampler_logprobs_match_trainer_recomputation(grpo, tiny):
     for i, c in enumerate(completions):
         ids = prompts[i // 3] + c.token_ids
         with torch.no_grad():
-            lp, _ = grpo.token_logprobs(model, torch.tensor([ids]), torch.ones(1, len(ids), dtype=torch.long), len(c.token_ids), 0.8)
+            lp, _ = grpo.token_logprobs(
+                model, torch.tensor([ids]), torch.ones(1, len(ids), dtype=torch.long), len(c.token_ids), 0.8
+            )
         assert torch.allclose(lp[0], torch.tensor(c.logprobs), atol=1e-4)
         assert (c.finish_reason == "stop") == (c.token_ids[-1] == tok.eos_token_id)

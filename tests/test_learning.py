@@ -12,9 +12,31 @@ from test_scripts import read_metrics, run
 
 
 def test_grpo_default_raises_heldout_accuracy(tmp_path):
-    run("grpo", tmp_path, "--run-name", "learn", "--total-steps", "20", "--eval-every", "20",
-        "--prompts-per-step", "16", "--group-size", "8", "--max-new-tokens", "40", "--micro-batch-size", "64",
-        "--eval.max-problems", "200", "--eval.n", "4", "--eval.k", "1", "4")
+    run(
+        "grpo",
+        tmp_path,
+        "--run-name",
+        "learn",
+        "--total-steps",
+        "20",
+        "--eval-every",
+        "20",
+        "--prompts-per-step",
+        "16",
+        "--group-size",
+        "8",
+        "--max-new-tokens",
+        "40",
+        "--micro-batch-size",
+        "64",
+        "--eval.max-problems",
+        "200",
+        "--eval.n",
+        "4",
+        "--eval.k",
+        "1",
+        "4",
+    )
     evals = [r for r in read_metrics(tmp_path / "learn") if "eval/arith/mean@4" in r]
     start, end = evals[0]["eval/arith/mean@4"], evals[-1]["eval/arith/mean@4"]
     assert evals[0]["step"] == 0 and evals[-1]["step"] == 20

@@ -8,12 +8,12 @@ import math
 
 import pytest
 import torch
+from conftest import load_algo
+from loss_checks import assert_padding_changes_nothing
 from transformers import AutoTokenizer
 
 from common.data import TINY_MODEL_DIR, format_prompt, load_problems
 from common.verifiers import compute_rewards
-from conftest import load_algo
-from loss_checks import assert_padding_changes_nothing
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +55,15 @@ def _teacher_grads(luffy, p: float, adv: float = 1.0, gamma: float = 0.1, old_sh
     logp = torch.log(prob)
     logp.retain_grad()
     old = logp.detach() + old_shift  # ignored on teacher rows
-    loss, metrics = luffy.policy_loss(logp, old, torch.tensor([adv], dtype=torch.float64), torch.ones(1, 1), torch.tensor([True]), shaping_gamma=gamma, **kw)
+    loss, metrics = luffy.policy_loss(
+        logp,
+        old,
+        torch.tensor([adv], dtype=torch.float64),
+        torch.ones(1, 1),
+        torch.tensor([True]),
+        shaping_gamma=gamma,
+        **kw,
+    )
     loss.backward()
     return prob.grad.item(), logp.grad.item(), loss.item(), metrics
 
@@ -95,7 +103,9 @@ def test_teacher_tokens_are_never_clipped(luffy, old_shift, adv):
     _, g_logp, loss, metrics = _teacher_grads(luffy, p, adv=adv, old_shift=old_shift)
     assert g_logp == pytest.approx(-adv * 0.1 * p / (p + 0.1) ** 2, rel=1e-6)  # same whatever π_old says
     assert loss == pytest.approx(-adv * p / (p + 0.1))
-    assert "clip_frac" not in metrics and "ratio" not in metrics  # a teacher-only micro-batch logs no policy-token statistics (not a spurious 0)
+    assert (
+        "clip_frac" not in metrics and "ratio" not in metrics
+    )  # a teacher-only micro-batch logs no policy-token statistics (not a spurious 0)
     assert metrics["teacher_f"] == pytest.approx(p / (p + 0.1)) and metrics["teacher_prob"] == pytest.approx(p)
     assert metrics["teacher_grad_weight"] == pytest.approx(0.1 * p / (p + 0.1) ** 2)
 
@@ -109,7 +119,9 @@ def test_on_policy_tokens_still_clip(luffy, adv, ratio, has_grad):
     old = torch.tensor([[-1.0]])
     for clip in (True, False):
         lp = (old + math.log(ratio)).requires_grad_()
-        loss, metrics = luffy.policy_loss(lp, old, torch.tensor([adv]), torch.ones(1, 1), torch.tensor([False]), on_policy_clip=clip)
+        loss, metrics = luffy.policy_loss(
+            lp, old, torch.tensor([adv]), torch.ones(1, 1), torch.tensor([False]), on_policy_clip=clip
+        )
         loss.backward()
         clipped = clip and not has_grad
         assert (lp.grad.abs().item() > 0) == (not clipped)
@@ -141,7 +153,9 @@ def test_aggregation_is_token_mean_over_the_batch(luffy):
     assert loss.item() == pytest.approx((a + 3 * b) / 4)
     # a teacher row of 2 tokens with p = 0.1 and 0.4 beside one on-policy token: (-A_on - A_off(f(.1)+f(.4))) / 3
     lp2 = torch.log(torch.tensor([[0.5, 0.5], [0.1, 0.4]]))
-    loss2, _ = luffy.policy_loss(lp2, lp2, torch.tensor([0.3, 0.6]), torch.tensor([[1, 0], [1, 1]]), torch.tensor([False, True]))
+    loss2, _ = luffy.policy_loss(
+        lp2, lp2, torch.tensor([0.3, 0.6]), torch.tensor([[1, 0], [1, 1]]), torch.tensor([False, True])
+    )
     assert loss2.item() == pytest.approx((-0.3 - 0.6 * (0.5 + 0.8)) / 3, rel=1e-6)
 
 
@@ -169,14 +183,19 @@ def test_micro_batches_accumulate_to_the_minibatch_gradient(luffy):
     assert total == pytest.approx(loss_whole.item(), abs=1e-6)
     assert torch.allclose(whole.grad, parts.grad, atol=1e-7)
     # without the mini-batch normaliser the micro-batch means do not add up (the test can fail)
-    naive = sum(luffy.policy_loss(lp0[r], old[r], adv[r], mask[r], off[r])[0].item() for r in (slice(0, 1), slice(1, 4), slice(4, 6)))
+    naive = sum(
+        luffy.policy_loss(lp0[r], old[r], adv[r], mask[r], off[r])[0].item()
+        for r in (slice(0, 1), slice(1, 4), slice(4, 6))
+    )
     assert naive != pytest.approx(loss_whole.item(), abs=1e-3)
 
 
 def test_padding_changes_nothing(luffy):
     lp0, old, adv, mask, off = _random_batch(2)
     # padded log-probs become > 0: nonsense on purpose
-    assert_padding_changes_nothing(lambda lp, o, a, m, shift: luffy.policy_loss(lp, o, a, m, off), lp0, old, adv, mask, garbage=3.0)
+    assert_padding_changes_nothing(
+        lambda lp, o, a, m, shift: luffy.policy_loss(lp, o, a, m, off), lp0, old, adv, mask, garbage=3.0
+    )
 
 
 # ---------------------------------------------------------------------------------------------- teacher traces

@@ -6,7 +6,6 @@ import sys
 
 import pytest
 import torch
-
 from conftest import load_algo
 from loss_checks import assert_micro_batches_accumulate, assert_padding_changes_nothing, random_batch
 
@@ -17,6 +16,7 @@ def maxrl():
 
 
 # --- advantages ---------------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("n, k", [(4, 1), (8, 3), (16, 1), (16, 15), (5, 2)])
 def test_k_successes_out_of_n(maxrl, n, k):
@@ -55,6 +55,7 @@ def test_input_checks(maxrl):
 
 # --- exact expectation of the estimator ----------------------------------------------------------------------
 
+
 def expected_gradient(maxrl, p: float, n: int) -> float:
     """E over all 2^N outcomes of the update MaxRL makes for a 1-parameter Bernoulli policy p = σ(θ).
 
@@ -66,7 +67,9 @@ def expected_gradient(maxrl, p: float, n: int) -> float:
     for z in itertools.product([0.0, 1.0], repeat=n):
         theta = torch.tensor(theta0, dtype=torch.float64, requires_grad=True)
         rewards = torch.tensor(z, dtype=torch.float64)
-        lp = torch.where(rewards > 0, torch.nn.functional.logsigmoid(theta), torch.nn.functional.logsigmoid(-theta))[:, None]
+        lp = torch.where(rewards > 0, torch.nn.functional.logsigmoid(theta), torch.nn.functional.logsigmoid(-theta))[
+            :, None
+        ]
         adv = maxrl.compute_advantages(rewards, n).double()
         loss, _ = maxrl.policy_loss(lp, lp.detach(), adv, torch.ones(n, 1))
         loss.backward()
@@ -93,6 +96,7 @@ def test_exact_enumeration_matches_truncated_ml_gradient_minus_the_k0_term(maxrl
 
 # --- loss: gradient, aggregation, invariances ----------------------------------------------------------------
 
+
 def test_gradient_is_minus_a_grad_logpi_over_the_token_count(maxrl):
     lp0 = torch.tensor([[-0.5, -1.0, -2.0], [-0.1, -0.2, -0.3]])
     lp = lp0.clone().requires_grad_()
@@ -116,7 +120,13 @@ def test_off_policy_ratio_is_not_clipped(maxrl):
 def test_padding_changes_nothing(maxrl):
     torch.manual_seed(0)
     lp0, adv = torch.randn(3, 5), torch.randn(3)
-    assert_padding_changes_nothing(lambda lp, o, a, m, shift: maxrl.policy_loss(lp, o, a, m), lp0, lp0, adv, torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]]))
+    assert_padding_changes_nothing(
+        lambda lp, o, a, m, shift: maxrl.policy_loss(lp, o, a, m),
+        lp0,
+        lp0,
+        adv,
+        torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]]),
+    )
 
 
 def test_micro_batches_accumulate_to_the_minibatch_gradient(maxrl):
@@ -124,7 +134,8 @@ def test_micro_batches_accumulate_to_the_minibatch_gradient(maxrl):
     whole_grad = assert_micro_batches_accumulate(
         lambda lp: maxrl.policy_loss(lp, lp0, adv, mask)[0],
         lambda lp, rows: maxrl.policy_loss(lp[rows], lp0[rows], adv[rows], mask[rows], num_tokens=mask.sum())[0],
-        lp0, (slice(0, 1), slice(1, 4)),
+        lp0,
+        (slice(0, 1), slice(1, 4)),
     )
     # without the mini-batch normaliser the micro-batches would weigh their tokens differently
     wrong = lp0.clone().requires_grad_()

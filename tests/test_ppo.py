@@ -1,16 +1,16 @@
-"""PPO (critic, GAE, clipped value loss) against hand-derived values and properties (reference §2(g), §9 items 10-11)."""
+"""PPO (critic, GAE, clipped value loss) against hand-derived values and properties (reference §2(g), §9 10-11)."""
 
 import math
 from types import SimpleNamespace
 
 import pytest
 import torch
+from conftest import load_algo
+from loss_checks import on_two_fake_ranks
 from transformers import AutoConfig, AutoModelForTokenClassification, AutoTokenizer
 
 from common.data import TINY_MODEL_DIR, format_prompt
 from common.rollout import left_pad
-from conftest import load_algo
-from loss_checks import on_two_fake_ranks
 
 
 @pytest.fixture(scope="module")
@@ -146,7 +146,9 @@ def test_policy_loss_is_a_token_mean(ppo):
     assert loss.item() == pytest.approx((a + 3 * b) / 4)  # not the per-sequence mean (a+b)/2
 
 
-@pytest.mark.parametrize("adv, ratio, has_grad", [(1.0, 1.3, False), (1.0, 1.1, True), (-1.0, 0.7, False), (-1.0, 1.3, True)])
+@pytest.mark.parametrize(
+    "adv, ratio, has_grad", [(1.0, 1.3, False), (1.0, 1.1, True), (-1.0, 0.7, False), (-1.0, 1.3, True)]
+)
 def test_policy_clipping(ppo, adv, ratio, has_grad):
     old = torch.tensor([[-1.0]])
     lp = (old + math.log(ratio)).requires_grad_()
@@ -192,7 +194,9 @@ def test_micro_batches_accumulate_to_the_minibatch_gradient(ppo):
 # ---------------------------------------------------------------- critic alignment
 def test_values_are_read_at_the_position_before_each_token(ppo):
     # a stub critic whose output at position p is p: the value of completion token t is read at P + t - 1
-    stub = lambda input_ids, attention_mask, position_ids: SimpleNamespace(logits=torch.arange(input_ids.shape[1], dtype=torch.float)[None, :, None].expand(input_ids.shape[0], -1, 1))  # noqa: E731
+    stub = lambda input_ids, attention_mask, position_ids: SimpleNamespace(
+        logits=torch.arange(input_ids.shape[1], dtype=torch.float)[None, :, None].expand(input_ids.shape[0], -1, 1)
+    )  # noqa: E731
     ids = torch.zeros(2, 7, dtype=torch.long)  # prompt width 4, completion width 3
     values = ppo.critic_values(stub, ids, torch.ones_like(ids), completion_width=3)
     assert torch.equal(values, torch.tensor([[3.0, 4.0, 5.0]] * 2))

@@ -4,12 +4,12 @@ import math
 
 import pytest
 import torch
+from conftest import load_algo
+from loss_checks import on_two_fake_ranks
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from common.data import TINY_MODEL_DIR, format_prompt
 from common.rollout import left_pad
-from conftest import load_algo
-from loss_checks import on_two_fake_ranks
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +70,9 @@ def test_summed_process_rewards_equal_the_sequence_log_ratio(prime, tiny_pair):
     beta = 0.05
     sums = prime.implicit_process_rewards(lp_prm, lp_ref, mask, beta).sum(-1)
     for i in range(2):
-        expected = beta * (_sequence_logprob(prm, prompts[i], completions[i]) - _sequence_logprob(ref, prompts[i], completions[i]))
+        expected = beta * (
+            _sequence_logprob(prm, prompts[i], completions[i]) - _sequence_logprob(ref, prompts[i], completions[i])
+        )
         assert abs(expected) > 1e-4  # the perturbed PRM really differs from the reference
         assert sums[i].item() == pytest.approx(expected, abs=1e-5)
 
@@ -162,7 +164,8 @@ def test_outcome_leave_one_out_sums_to_zero_per_group(prime):
 
 def test_process_leave_one_out_returns_hand_values(prime):
     # K = 2, no outcome signal. Sample 0 token rewards [0.2, 0.4] (mean 0.3), sample 1 [0.1] (mean 0.1).
-    # baselines: sample 0 -> 0.1, sample 1 -> 0.3; returns (γ = 1): sample 0 [0.1+0.3, 0.3] = [0.4, 0.3], sample 1 [-0.2]
+    # baselines: sample 0 -> 0.1, sample 1 -> 0.3; returns (γ = 1): sample 0 [0.1+0.3, 0.3] = [0.4, 0.3],
+    # sample 1 [-0.2]
     process = torch.tensor([[0.2, 0.4], [0.1, 7.0]])  # 7.0 sits in padding and must be ignored
     mask = torch.tensor([[1, 1], [1, 0]])
     adv = prime.compute_advantages(torch.zeros(2), process, mask, group_size=2)
@@ -190,7 +193,19 @@ def test_whitening_statistics_span_processes(prime):
 # ---------------------------------------------------------------- prompt filter
 @pytest.mark.parametrize(
     "group_size, n_correct, kept",
-    [(4, 0, False), (4, 1, True), (4, 2, True), (4, 3, True), (4, 4, False), (8, 1, False), (8, 2, True), (8, 6, True), (8, 7, False), (5, 1, True), (5, 4, True)],
+    [
+        (4, 0, False),
+        (4, 1, True),
+        (4, 2, True),
+        (4, 3, True),
+        (4, 4, False),
+        (8, 1, False),
+        (8, 2, True),
+        (8, 6, True),
+        (8, 7, False),
+        (5, 1, True),
+        (5, 4, True),
+    ],
 )
 def test_filter_keeps_accuracy_in_closed_interval(prime, group_size, n_correct, kept):
     correct = torch.tensor([1.0] * n_correct + [0.0] * (group_size - n_correct))
@@ -223,7 +238,9 @@ def test_policy_loss_is_a_token_mean_and_accumulates(prime):
     assert torch.allclose(whole.grad, parts.grad, atol=1e-7)
 
 
-@pytest.mark.parametrize("adv, ratio, has_grad", [(1.0, 1.3, False), (1.0, 1.1, True), (-1.0, 0.7, False), (-1.0, 1.3, True)])
+@pytest.mark.parametrize(
+    "adv, ratio, has_grad", [(1.0, 1.3, False), (1.0, 1.1, True), (-1.0, 0.7, False), (-1.0, 1.3, True)]
+)
 def test_policy_clipping(prime, adv, ratio, has_grad):
     old = torch.tensor([[-1.0]])
     lp = (old + math.log(ratio)).requires_grad_()

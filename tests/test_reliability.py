@@ -11,9 +11,8 @@ import time
 
 import pytest
 import torch
-from safetensors.torch import load_file
-
 from conftest import REPO, load_algo
+from safetensors.torch import load_file
 from test_scripts import SMALL, read_metrics, run
 
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "2"}
@@ -28,7 +27,11 @@ def wait_for_step(run_dir, step, proc, timeout=300):
     deadline = time.time() + timeout
     while time.time() < deadline:
         path = run_dir / "metrics.jsonl"
-        if path.exists() and any(json.loads(line)["step"] >= step and "train/reward" in line for line in path.read_text().splitlines() if line):
+        if path.exists() and any(
+            json.loads(line)["step"] >= step and "train/reward" in line
+            for line in path.read_text().splitlines()
+            if line
+        ):
             return
         assert proc.poll() is None, proc.communicate()[1][-2000:]
         time.sleep(0.2)
@@ -91,7 +94,19 @@ def test_consecutive_nonfinite_steps_abort_with_a_message(tmp_path, monkeypatch)
     grpo = load_algo("grpo")
     monkeypatch.setattr(grpo, "policy_loss", lambda *a, **k: (a[0].sum() * float("inf"), {}))
     with pytest.raises(SystemExit, match="consecutive updates with a non-finite loss"):
-        run_in_process(grpo, monkeypatch, tmp_path, "--run-name", "inf", "--total-steps", "5", "--max-bad-steps", "2", "--micro-batch-size", "16")
+        run_in_process(
+            grpo,
+            monkeypatch,
+            tmp_path,
+            "--run-name",
+            "inf",
+            "--total-steps",
+            "5",
+            "--max-bad-steps",
+            "2",
+            "--micro-batch-size",
+            "16",
+        )
 
 
 @pytest.mark.parametrize(
@@ -139,14 +154,18 @@ def test_dapo_stops_with_a_message_when_every_group_is_filtered(tmp_path, monkey
     dapo = load_algo("dapo")
     monkeypatch.setattr(dapo, "compute_rewards", constant_rewards(1.0))
     with pytest.raises(SystemExit, match="dynamic sampling kept no group with mixed correctness in 2 rounds"):
-        run_in_process(dapo, monkeypatch, tmp_path, "--run-name", "filtered", "--total-steps", "2", "--max-sampling-rounds", "2")
+        run_in_process(
+            dapo, monkeypatch, tmp_path, "--run-name", "filtered", "--total-steps", "2", "--max-sampling-rounds", "2"
+        )
     assert not list((tmp_path / "filtered").glob("checkpoints/step_*")), "no update may have happened"
 
 
 def test_prime_refills_with_rejected_groups_when_every_group_is_filtered(tmp_path, monkeypatch):
     prime = load_algo("prime")
     monkeypatch.setattr(prime, "compute_rewards", constant_rewards(1.0))
-    run_in_process(prime, monkeypatch, tmp_path, "--run-name", "refill", "--total-steps", "1", "--filter-max-rounds", "2")
+    run_in_process(
+        prime, monkeypatch, tmp_path, "--run-name", "refill", "--total-steps", "1", "--filter-max-rounds", "2"
+    )
     rows = [r for r in read_metrics(tmp_path / "refill") if "train/reward" in r]
     assert len(rows) == 1 and rows[0]["train/reward"] == 1.0 and math.isfinite(rows[0]["train/loss"])
     assert final_weights_are_finite(tmp_path / "refill")
@@ -168,7 +187,11 @@ def test_empty_and_truncated_completions(tmp_path, monkeypatch):
                     if i % 2 == 0:
                         c.token_ids, c.logprobs, c.finish_reason = [engine.eos_ids[0]], [-1.0], "stop"
                     else:
-                        c.token_ids, c.logprobs, c.finish_reason = [5] * max_new_tokens, [-1.0] * max_new_tokens, "length"
+                        c.token_ids, c.logprobs, c.finish_reason = (
+                            [5] * max_new_tokens,
+                            [-1.0] * max_new_tokens,
+                            "length",
+                        )
             return out
 
         engine.generate = generate
@@ -178,5 +201,7 @@ def test_empty_and_truncated_completions(tmp_path, monkeypatch):
     run_in_process(grpo, monkeypatch, tmp_path, "--run-name", "edge", "--total-steps", "2")
     rows = [r for r in read_metrics(tmp_path / "edge") if "train/reward" in r]
     assert [r["train/truncation_rate"] for r in rows] == [0.5, 0.5]
-    assert all(r["train/reward"] == 0.0 and math.isfinite(r["train/loss"]) and r["train/skipped_updates"] == 0.0 for r in rows)
+    assert all(
+        r["train/reward"] == 0.0 and math.isfinite(r["train/loss"]) and r["train/skipped_updates"] == 0.0 for r in rows
+    )
     assert final_weights_are_finite(tmp_path / "edge")

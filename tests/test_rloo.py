@@ -4,7 +4,6 @@ import math
 
 import pytest
 import torch
-
 from conftest import load_algo
 from loss_checks import assert_micro_batches_accumulate, assert_padding_changes_nothing, random_batch
 
@@ -104,10 +103,14 @@ def test_padding_changes_nothing(rloo):
     old = lp0 + 0.05 * torch.randn(3, 5)
     adv = torch.tensor([0.7, -0.4, 1.2])
     mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]])
-    assert_padding_changes_nothing(lambda lp, o, a, m, shift: rloo.policy_loss(lp, o, a, m), lp0, old, adv, mask, garbage=7.0)
+    assert_padding_changes_nothing(
+        lambda lp, o, a, m, shift: rloo.policy_loss(lp, o, a, m), lp0, old, adv, mask, garbage=7.0
+    )
     # appended padding columns change nothing either
     lp_c = torch.cat([lp0, torch.zeros(3, 2)], 1).requires_grad_()
-    loss_c, _ = rloo.policy_loss(lp_c, torch.cat([old, torch.ones(3, 2)], 1), adv, torch.cat([mask, torch.zeros(3, 2, dtype=torch.long)], 1))
+    loss_c, _ = rloo.policy_loss(
+        lp_c, torch.cat([old, torch.ones(3, 2)], 1), adv, torch.cat([mask, torch.zeros(3, 2, dtype=torch.long)], 1)
+    )
     assert loss_c.item() == pytest.approx(rloo.policy_loss(lp0, old, adv, mask)[0].item(), abs=1e-6)
 
 
@@ -127,13 +130,16 @@ def test_micro_batches_accumulate_to_the_minibatch_gradient(rloo):
     assert_micro_batches_accumulate(
         lambda lp: rloo.policy_loss(lp, old, adv, mask)[0],
         lambda lp, rows: rloo.policy_loss(lp[rows], old[rows], adv[rows], mask[rows], num_sequences=4)[0],
-        lp0, (slice(0, 1), slice(1, 4)),
+        lp0,
+        (slice(0, 1), slice(1, 4)),
     )
 
 
 def test_kl_enters_the_reward_before_the_baseline(rloo):
     rewards = torch.tensor([1.0, 0.0, 0.0, 0.0])
-    old = torch.tensor([[-1.0, -2.0, -9.0], [-1.0, -1.0, -1.0], [-0.5, -0.5, -0.5], [-3.0, 0.0, 0.0]], requires_grad=True)
+    old = torch.tensor(
+        [[-1.0, -2.0, -9.0], [-1.0, -1.0, -1.0], [-0.5, -0.5, -0.5], [-3.0, 0.0, 0.0]], requires_grad=True
+    )
     ref = torch.tensor([[-1.5, -2.0, 0.0], [-1.0, -1.0, -1.0], [-1.0, -1.0, -0.5], [-3.0, 0.0, 0.0]])
     mask = torch.tensor([[1, 1, 0], [1, 1, 1], [1, 1, 1], [1, 0, 0]])  # row 0's last column is padding
     penalised, seq_kl = rloo.kl_penalised_rewards(rewards, old, ref, mask, kl_coef=0.1)

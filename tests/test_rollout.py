@@ -9,7 +9,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from common.data import TINY_MODEL_DIR, format_prompt
-from common.rollout import HFEngine, RolloutConfig, gumbel_max, make_engine, prompt_seeds, token_logprobs, token_logprobs_batched, top_p_filter, use_fp32_head
+from common.logprobs import token_logprobs, token_logprobs_batched
+from common.rollout import HFEngine, RolloutConfig, gumbel_max, make_engine, prompt_seeds, top_p_filter, use_fp32_head
 
 
 @pytest.fixture(scope="module")
@@ -132,7 +133,9 @@ def test_logprobs_keep_no_vocab_wide_tensor_for_backward(engine, chunk_size):
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         token_logprobs(eng.model, ids, mask, 20, 1.0, chunk_size=chunk_size)
     assert not [shape for shape in saved if len(shape) == 3 and shape[-1] == vocab]
-    slices = [shape[1] for shape in saved if shape[:1] == (4,) and len(shape) == 3 and shape[-1] == hidden and shape[1] <= 20]
+    slices = [
+        shape[1] for shape in saved if shape[:1] == (4,) and len(shape) == 3 and shape[-1] == hidden and shape[1] <= 20
+    ]
     assert max(slices) == min(20, chunk_size) and slices.count(min(20, chunk_size)) >= 20 // min(20, chunk_size)
 
 
@@ -140,7 +143,9 @@ def test_logprobs_keep_no_vocab_wide_tensor_for_backward(engine, chunk_size):
 def forward_widths(model):
     """Collect the sequence width of every forward call of ``model`` made inside the block."""
     widths = []
-    hook = model.register_forward_pre_hook(lambda module, args, kwargs: widths.append(kwargs["input_ids"].shape[1]), with_kwargs=True)
+    hook = model.register_forward_pre_hook(
+        lambda module, args, kwargs: widths.append(kwargs["input_ids"].shape[1]), with_kwargs=True
+    )
     try:
         yield widths
     finally:
@@ -268,4 +273,6 @@ def test_undeclared_logit_postprocessing_falls_back_to_the_models_logits():
 def test_fp32_head_flag_resolution():
     """'auto' is fp32 on CPU runs and the model's dtype on CUDA; 'on' / 'off' force it on every device."""
     assert use_fp32_head(RolloutConfig(), "cpu") and not use_fp32_head(RolloutConfig(), "cuda")
-    assert use_fp32_head(RolloutConfig(fp32_lm_head="on"), "cuda") and not use_fp32_head(RolloutConfig(fp32_lm_head="off"), "cpu")
+    assert use_fp32_head(RolloutConfig(fp32_lm_head="on"), "cuda") and not use_fp32_head(
+        RolloutConfig(fp32_lm_head="off"), "cpu"
+    )

@@ -8,18 +8,41 @@ import sys
 
 import pytest
 import torch
-from safetensors.torch import load_file
-
 from conftest import REPO, load_algo
+from safetensors.torch import load_file
 
 SCRIPTS = sorted(p.stem for p in (REPO / "algos").glob("*.py"))
 SMALL = [
-    "--prompts-per-step", "4", "--group-size", "4", "--max-new-tokens", "24", "--micro-batch-size", "8",
-    "--eval.max-problems", "8", "--eval.n", "2", "--eval.k", "1", "2", "--eval-every", "2", "--save-every", "1",
+    "--prompts-per-step",
+    "4",
+    "--group-size",
+    "4",
+    "--max-new-tokens",
+    "24",
+    "--micro-batch-size",
+    "8",
+    "--eval.max-problems",
+    "8",
+    "--eval.n",
+    "2",
+    "--eval.k",
+    "1",
+    "2",
+    "--eval-every",
+    "2",
+    "--save-every",
+    "1",
 ]
 REQUIRED_TRAIN_KEYS = {
-    "train/reward", "train/accuracy", "train/response_len", "train/clip_frac", "train/entropy",
-    "train/frac_zero_adv_groups", "time/rollout_s", "time/train_s", "time/tokens_per_s",
+    "train/reward",
+    "train/accuracy",
+    "train/response_len",
+    "train/clip_frac",
+    "train/entropy",
+    "train/frac_zero_adv_groups",
+    "time/rollout_s",
+    "time/train_s",
+    "time/tokens_per_s",
 }
 
 
@@ -92,8 +115,18 @@ def test_help_documents_every_flag_and_does_not_import_vllm(script):
 
 def test_refuses_tiny_learning_rate_for_a_hub_model(tmp_path):
     result = subprocess.run(
-        [sys.executable, str(REPO / "algos" / "grpo.py"), "--model", "Qwen/Qwen2.5-Math-1.5B", "--output-dir", str(tmp_path)],
-        capture_output=True, text=True, timeout=120, env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        [
+            sys.executable,
+            str(REPO / "algos" / "grpo.py"),
+            "--model",
+            "Qwen/Qwen2.5-Math-1.5B",
+            "--output-dir",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
     )
     assert result.returncode != 0 and "--learning-rate is required" in result.stderr
 
@@ -102,7 +135,19 @@ def test_refuses_tiny_learning_rate_for_a_hub_model(tmp_path):
 def test_gradient_checkpointing_changes_memory_not_the_update(script, tmp_path):
     """--gradient-checkpointing (policy, and ppo's critic / prime's PRM) gives the same weights after a step (fp32)."""
     for name, flags in (("plain", []), ("ckpt", ["--gradient-checkpointing"])):
-        run(script, tmp_path, "--run-name", name, "--total-steps", "1", "--eval-every", "10", "--mixed-precision", "no", *flags)
+        run(
+            script,
+            tmp_path,
+            "--run-name",
+            name,
+            "--total-steps",
+            "1",
+            "--eval-every",
+            "10",
+            "--mixed-precision",
+            "no",
+            *flags,
+        )
     plain = load_file(tmp_path / "plain" / "final" / "model.safetensors")
     ckpt = load_file(tmp_path / "ckpt" / "final" / "model.safetensors")
     base = load_file(REPO / "common" / "tiny_model" / "model.safetensors")
@@ -122,6 +167,20 @@ def test_gradient_checkpointing_flag_reaches_every_trained_model(tmp_path, monke
         return real(self, *args, **kwargs)
 
     monkeypatch.setattr(PreTrainedModel, "gradient_checkpointing_enable", record)
-    monkeypatch.setattr(sys, "argv", ["ppo.py", "--output-dir", str(tmp_path), *SMALL, "--eval-every", "100", "--total-steps", "1", "--gradient-checkpointing"])
+    monkeypatch.setattr(
+        sys,
+        "argv",
+        [
+            "ppo.py",
+            "--output-dir",
+            str(tmp_path),
+            *SMALL,
+            "--eval-every",
+            "100",
+            "--total-steps",
+            "1",
+            "--gradient-checkpointing",
+        ],
+    )
     load_algo("ppo").main()
     assert sorted(enabled) == ["Qwen2ForCausalLM", "Qwen2ForTokenClassification"]

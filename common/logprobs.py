@@ -1,0 +1,182 @@
+"""Per-token log-probs of completions under a model: the trainer's side of every algorithm.
+
+    logprobs, entropy = token_logprobs(model, input_ids, attention_mask, completion_width, temperature, ...)
+
+Rows are ``[left-padded prompt | right-padded completion]``; the result is (B, completion_width), the log-prob of
+each completion token under softmax(logits / temperature) in fp32, with the LM head optionally in fp32 as well
+(the sampler/trainer gap fix of MiniMax-M1 and ScaleRL). No (B, T, vocab) tensor is ever kept.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.utils.checkpoint
+
+
+def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
+    """Strip DDP / DeepSpeed / accelerate (``.module``) and torch.compile (``._orig_mod``) wrappers."""
+    while True:
+        inner = getattr(model, "module", None)
+        if not isinstance(inner, torch.nn.Module):
+            inner = getattr(model, "_orig_mod", None)
+        if not isinstance(inner, torch.nn.Module):
+            return model
+        model = inner
+
+
+LOGPROB_CHUNK = 1024  # completion positions per LM-head + log-softmax chunk in token_logprobs
+# config fields (of the text config) through which an architecture post-processes its logits after the LM head
+LOGIT_POSTPROCESSING = ("final_logit_softcapping", "logit_scale", "logits_scaling")
+
+
+def token_logprobs(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    completion_width: int,
+    temperature: float,
+    with_entropy: bool = False,
+    chunk_size: int = LOGPROB_CHUNK,
+    fp32_head: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per-token log-probs (B, T) of each row's last ``completion_width`` tokens: fp32 log-softmax of logits / T.
+
+    The trainer's side of every script (old, reference and current log-probs). The model runs once (through any
+    DDP wrapper) and its final hidden states are taken from the decoder; the LM head and the log-softmax then run
+    ``chunk_size`` completion positions at a time and, when gradients are on, are recomputed per chunk in the
+    backward pass, so no (B, T, vocab) tensor is kept: not the logits, not their log-softmax (in fp32,
+    2 x 4 bytes x B x T x vocab: ~40 GB for 8 x 4k tokens of a 152k vocabulary).
+
+    ``fp32_head``: the LM head's matmul runs in fp32 (fp32 hidden states and weights, autocast off) even when the
+    body runs under bf16 autocast; off, it runs in the caller's autocast dtype. A bf16 head is the main source of
+    the sampler/trainer log-prob gap (MiniMax-M1 §3.3, ScaleRL); the scripts set it from ``RolloutConfig.fp32_lm_head``,
+    as vLLM's.
+    Architectures that post-process logits (softcapping, logit scales: ``LOGIT_POSTPROCESSING``, or any model whose
+    head alone does not reproduce its own last-position logits) use the model's own logits instead, and then keep
+    them for the backward pass. Positions follow the attention mask, so left padding matches what the sampler saw;
+    columns no row attends to are cut before the forward (their log-probs are 0), so a micro-batch costs its own
+    longest row.
+    ``with_entropy`` adds the detached per-token entropy of the same distribution.
+    """
+    # drop the columns no row attends to (prompt left padding, right padding past the longest completion): a
+    # micro-batch of short rows pays for its own longest row, not the whole batch's; dropped positions get log-prob 0
+    full_width, prompt_width = completion_width, input_ids.shape[1] - completion_width
+    used = attention_mask.bool().any(0).nonzero().squeeze(-1).tolist() or [prompt_width - 1]
+    start, completion_width = min(used[0], prompt_width - 1), max(used[-1] + 1 - prompt_width, 1)
+    input_ids, attention_mask = (
+        input_ids[:, start : prompt_width + completion_width],
+        attention_mask[:, start : prompt_width + completion_width],
+    )
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    targets = input_ids[:, -completion_width:]
+    inner = unwrap_model(model)
+
+    def from_own_logits() -> tuple[torch.Tensor, torch.Tensor | None]:  # the model's own (post-processed) logits
+        logits = model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            logits_to_keep=completion_width + 1,
+        ).logits[:, :-1]
+        return _padded(
+            _chunked(_logprobs_from_logits, logits, targets, temperature, with_entropy, chunk_size), full_width
+        )
+
+    text_config = inner.config.get_text_config()
+    if any(getattr(text_config, name, None) not in (None, 1, 1.0) for name in LOGIT_POSTPROCESSING):
+        return from_own_logits()
+    hidden = []  # the decoder's output, caught on the way through the full model's forward (and any wrapper's)
+    hook = inner.get_decoder().register_forward_hook(
+        lambda module, args, output: hidden.append(output[0])
+    )  # last_hidden_state
+    try:
+        last_logits = model(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, logits_to_keep=1
+        ).logits
+    finally:
+        hook.remove()
+    head = inner.get_output_embeddings()
+    with torch.no_grad():  # the head alone must reproduce the model's own last logits, or the model post-processes them
+        ours = torch.nn.functional.linear(hidden[-1][:, -1:], head.weight, head.bias)
+        head_reproduces = ours.shape == last_logits.shape and torch.allclose(
+            ours.float(), last_logits.float(), rtol=1e-2, atol=1e-2
+        )
+    if not head_reproduces:
+        return from_own_logits()
+    head_fn = functools.partial(_logprobs_from_hidden, weight=head.weight, bias=head.bias, fp32_head=fp32_head)
+    return _padded(
+        _chunked(head_fn, hidden[-1][:, -completion_width - 1 : -1], targets, temperature, with_entropy, chunk_size),
+        full_width,
+    )
+
+
+def token_logprobs_batched(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    completion_width: int,
+    temperature: float,
+    micro_batch_size: int,
+    fp32_head: bool = True,
+) -> torch.Tensor:
+    """``token_logprobs`` over a whole batch without gradients (old, reference and PRM log-probs), ``micro_batch_size``
+    rows per forward, rows of similar length together (each forward pays for its own longest row). Returns (B, T) in
+    the input's row order."""
+    order = attention_mask.sum(-1).argsort(stable=True)
+    parts = [
+        token_logprobs(
+            model, input_ids[rows], attention_mask[rows], completion_width, temperature, fp32_head=fp32_head
+        )[0]
+        for rows in order.split(micro_batch_size)
+    ]
+    return torch.cat(parts)[order.argsort()]
+
+
+def _padded(outputs: tuple[torch.Tensor, torch.Tensor | None], width: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Zero-pad (B, w) log-probs (and entropies) on the right back to (B, width)."""
+    return tuple(None if t is None else torch.nn.functional.pad(t, (0, width - t.shape[1])) for t in outputs)
+
+
+def _chunked(
+    fn, inputs: torch.Tensor, targets: torch.Tensor, temperature: float, with_entropy: bool, chunk_size: int
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Apply ``fn`` to ``chunk_size`` positions at a time, each chunk recomputed in the backward pass (with grad)."""
+    recompute = torch.is_grad_enabled() and inputs.requires_grad
+    parts = []
+    for start in range(0, targets.shape[1], chunk_size):
+        args = (
+            inputs[:, start : start + chunk_size],
+            targets[:, start : start + chunk_size],
+            temperature,
+            with_entropy,
+        )
+        parts.append(torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False) if recompute else fn(*args))
+    token_lp = torch.cat([lp for lp, _ in parts], dim=1)
+    return token_lp, (torch.cat([ent for _, ent in parts], dim=1) if with_entropy else None)
+
+
+def _logprobs_from_hidden(
+    hidden: torch.Tensor,
+    targets: torch.Tensor,
+    temperature: float,
+    with_entropy: bool,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    fp32_head: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    if fp32_head:
+        with torch.autocast(hidden.device.type, enabled=False):
+            logits = torch.nn.functional.linear(hidden.float(), weight.float(), None if bias is None else bias.float())
+    else:
+        logits = torch.nn.functional.linear(hidden, weight, bias)
+    return _logprobs_from_logits(logits, targets, temperature, with_entropy)
+
+
+def _logprobs_from_logits(
+    logits: torch.Tensor, targets: torch.Tensor, temperature: float, with_entropy: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    logprobs = torch.log_softmax(logits.float() / temperature, dim=-1)
+    entropy = -(logprobs.exp() * logprobs).sum(-1).detach() if with_entropy else None
+    return logprobs.gather(-1, targets.unsqueeze(-1)).squeeze(-1), entropy

@@ -1,0 +1,175 @@
+"""Set-up every script shares: processes, precision, the run folder, models, the task's data and prompts.
+
+    run = start_run(args)                       # flags checked, processes started, precision chosen, seeded
+    task = load_task(args)                      # train and held-out problems, templates, verifier
+    tokenizer = load_tokenizer(run.model_path)
+    raw_model = load_model(run, gradient_checkpointing=args.gradient_checkpointing)
+    prompt_ids = encode_prompts(tokenizer, problems, task.template, args.max_prompt_tokens)
+
+``args`` is a script's tyro ``Args``; these functions read only the fields every script shares (the consistency
+test holds the scripts to the same names and defaults). Nothing algorithmic lives here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+from accelerate import Accelerator
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from common.data import DatasetInfo, dataset_info, format_prompt, load_problems, resolve_model_path
+from common.evaluate import EvalConfig
+from common.rollout import use_fp32_head
+from common.tracking import latest_checkpoint, seed_everything
+
+
+@dataclass
+class Run:
+    """One process's view of a training run."""
+
+    accelerator: Accelerator
+    rank: int  # this process's index
+    world: int  # number of processes
+    device: torch.device
+    dtype: torch.dtype  # trainer weight dtype (fp32 master weights unless --dtype says otherwise)
+    autocast: Callable[[], contextlib.AbstractContextManager]  # bf16 autocast of forward/backward, or a no-op
+    attn_implementation: str
+    fp32_head: bool  # LM head in fp32 in the trainer's log-probs, as in the sampler (--rollout.fp32-lm-head)
+    model_path: str  # local folder or hub id of the policy
+    run_dir: Path
+    local_prompts: int  # prompts per step on this process
+
+    @property
+    def is_main(self) -> bool:
+        return self.accelerator.is_main_process
+
+
+def start_run(args) -> Run:
+    """Check the shared flags, start the processes, choose precision and attention, claim the run folder, seed.
+
+    Exits with a message naming the flag when a shared flag is invalid. Each process is seeded with seed + rank.
+    """
+    if args.learning_rate is None:
+        if args.model != "tiny":
+            raise SystemExit(
+                "--learning-rate is required for a model other than 'tiny' "
+                "(the tiny default 1e-4 would wreck a 1.5B model; papers use ~1e-6)"
+            )
+        args.learning_rate = 1e-4
+    if args.temperature <= 0:
+        raise SystemExit("--temperature must be > 0 for training rollouts (log-probs are of logits / temperature)")
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # the fast tokenizer's threads would fight the trainer's
+    accelerator = Accelerator(cpu=not torch.cuda.is_available())
+    rank, world = accelerator.process_index, accelerator.num_processes
+    accelerator.print(f"{world} process(es), {accelerator.distributed_type.value}, device {accelerator.device}")
+    if args.prompts_per_step % world:
+        raise SystemExit(
+            f"--prompts-per-step {args.prompts_per_step} must be divisible by the number of processes ({world})"
+        )
+    local_prompts = args.prompts_per_step // world
+    if (local_prompts * args.group_size) % args.num_minibatches:
+        raise SystemExit(
+            f"{local_prompts * args.group_size} sequences per process do not split into "
+            f"--num-minibatches {args.num_minibatches}"
+        )
+    args.run_name = args.run_name or f"{args.exp_name}__{args.dataset.replace('/', '_')}__{args.seed}"
+    run_dir = Path(args.output_dir) / args.run_name
+    if run_dir.exists() and not args.resume and latest_checkpoint(run_dir) is not None:
+        raise SystemExit(f"{run_dir} already holds a run; pass --resume to continue it or choose another --run-name")
+    seed_everything(args.seed + rank)
+    device = accelerator.device
+    # bf16 matmuls (GPU tensor cores; ~2x faster on CPUs with AVX512-BF16/AMX); weights and optimiser stay fp32
+    if device.type == "cuda":
+        native_bf16 = torch.cuda.is_bf16_supported()
+    else:
+        native_bf16 = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+    use_bf16 = args.mixed_precision == "bf16" or (args.mixed_precision == "auto" and native_bf16)
+    return Run(
+        accelerator=accelerator,
+        rank=rank,
+        world=world,
+        device=device,
+        dtype={"float32": torch.float32, "bfloat16": torch.bfloat16}.get(args.dtype, torch.float32),
+        autocast=functools.partial(torch.autocast, device.type, dtype=torch.bfloat16, enabled=use_bf16),
+        # CPU: sdpa's bf16 backward is several times slower than eager here
+        attn_implementation="sdpa" if device.type == "cuda" else "eager",
+        fp32_head=use_fp32_head(args.rollout, device),
+        model_path=resolve_model_path(args.model),
+        run_dir=run_dir,
+        local_prompts=local_prompts,
+    )
+
+
+def load_tokenizer(model_path: str):
+    """The policy's tokenizer, left-padding (prompts are left-padded), with a pad token (EOS when it has none)."""
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_model(
+    run: Run, frozen: bool = False, gradient_checkpointing: bool = False, model_cls=AutoModelForCausalLM, **kwargs
+) -> torch.nn.Module:
+    """A copy of the base model on this process's device, in the run's dtype and attention implementation.
+
+    ``frozen``: eval mode, no gradients (a reference model). ``gradient_checkpointing``: recompute each layer in
+    the backward pass. ``model_cls`` and ``kwargs`` go to ``from_pretrained`` (e.g. a critic's token classifier).
+    """
+    model = model_cls.from_pretrained(
+        run.model_path, dtype=run.dtype, attn_implementation=run.attn_implementation, **kwargs
+    ).to(run.device)
+    if gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model.eval().requires_grad_(False) if frozen else model
+
+
+@dataclass
+class Task:
+    """The training and held-out data of a run, with their templates and verifiers."""
+
+    train_info: DatasetInfo
+    train_problems: list[dict]
+    template: str  # training prompt template
+    eval_name: str
+    eval_info: DatasetInfo
+    eval_problems: list[dict]
+    eval_template: str
+    eval_cfg: EvalConfig  # the evaluation protocol, its token budget resolved
+
+
+def load_task(args) -> Task:
+    """Load ``--dataset``'s train split and the held-out set (``--eval.dataset``, default the same dataset)."""
+    train_info = dataset_info(args.dataset)
+    eval_name = args.eval.dataset or args.dataset
+    eval_info = dataset_info(eval_name)
+    return Task(
+        train_info=train_info,
+        train_problems=load_problems(args.dataset, "train"),
+        template=args.template or train_info.default_template,
+        eval_name=eval_name,
+        eval_info=eval_info,
+        eval_problems=load_problems(eval_name, eval_info.eval_split),
+        eval_template=args.eval.template or eval_info.default_template,
+        eval_cfg=dataclasses.replace(args.eval, max_new_tokens=args.eval.max_new_tokens or args.max_new_tokens),
+    )
+
+
+def encode_prompts(tokenizer, problems: list[dict], template: str, max_prompt_tokens: int) -> list[list[int]]:
+    """Token ids of each problem's templated prompt; a prompt over ``max_prompt_tokens`` is an error naming it."""
+    ids = [tokenizer(format_prompt(p["prompt"], template, tokenizer))["input_ids"] for p in problems]
+    for problem, prompt_ids in zip(problems, ids):
+        if len(prompt_ids) > max_prompt_tokens:
+            raise SystemExit(
+                f"prompt of {len(prompt_ids)} tokens exceeds --max-prompt-tokens {max_prompt_tokens}: "
+                f"{problem['prompt'][:80]!r}"
+            )
+    return ids

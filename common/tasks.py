@@ -1,0 +1,78 @@
+"""The offline synthetic tasks: verifiable problems generated from a seed, no network needed.
+
+``arith`` (the tiny default) is chain arithmetic such as ``4+7-2=?`` with the worked solution
+``4+7=11;11-2=9;\\boxed{9}`` and the gold answer ``9``; ``arith-hard`` has one operand more than the shipped model's
+warm start saw. Each task's held-out split is disjoint from its train split. ``common/data.py`` registers every
+task here by name, scored with the exact-match verifier.
+"""
+
+from __future__ import annotations
+
+import functools
+import random
+from dataclasses import dataclass
+
+Problem = dict[str, str]  # prompt, answer, solution: see common/data.py
+
+
+# ----------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ArithSpec:
+    """Shape of the synthetic chain-arithmetic task."""
+
+    n_terms: int = 3  # operands per problem
+    max_operand: int = 9  # operands are drawn from 0..max_operand
+
+
+ARITH_SPECS = {
+    "arith": ArithSpec(n_terms=3, max_operand=9),  # the tiny default: 1-digit operands
+    "arith-hard": ArithSpec(
+        n_terms=4, max_operand=9
+    ),  # one operand more than the warm start saw: ~3% sampled accuracy (LUFFY demo)
+}
+ARITH_TEST_SIZE = 200  # held-out problems per arith task
+ARITH_TEST_SEED = 999
+ARITH_TRAIN_SIZE = 20_000
+ARITH_TRAIN_SEED = 0
+
+
+def make_arith_problem(rng: random.Random, spec: ArithSpec) -> Problem:
+    """One problem, e.g. prompt ``4+7-2=?``, answer ``9``, solution ``4+7=11;11-2=9;\\boxed{9}``."""
+    operands = [rng.randint(0, spec.max_operand) for _ in range(spec.n_terms)]
+    ops = [rng.choice("+-") for _ in range(spec.n_terms - 1)]
+    prompt, total, steps = str(operands[0]), operands[0], []
+    for op, x in zip(ops, operands[1:]):
+        new_total = total + x if op == "+" else total - x
+        steps.append(f"{total}{op}{x}={new_total}")
+        prompt += f"{op}{x}"
+        total = new_total
+    solution = ";".join(steps) + f";\\boxed{{{total}}}"
+    return {"prompt": prompt + "=?", "answer": str(total), "solution": solution}
+
+
+def make_arith_problems(n: int, seed: int, spec: ArithSpec, exclude: set[str] | None = None) -> list[Problem]:
+    """``n`` problems from a seeded stream, skipping any whose prompt is in ``exclude``."""
+    rng, out = random.Random(seed), []
+    exclude = exclude or set()
+    while len(out) < n:
+        p = make_arith_problem(rng, spec)
+        if p["prompt"] not in exclude:
+            out.append(p)
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def _arith_split(name: str, split: str) -> tuple[Problem, ...]:
+    """Generated once per process (about 0.2 s for the 20k train problems), then reused."""
+    spec = ARITH_SPECS[name]
+    test = make_arith_problems(ARITH_TEST_SIZE, ARITH_TEST_SEED, spec)
+    if split == "test":
+        return tuple(test)
+    train = make_arith_problems(ARITH_TRAIN_SIZE, ARITH_TRAIN_SEED, spec, exclude={p["prompt"] for p in test})
+    return tuple(train)
+
+
+def load_arith(name: str, split: str) -> list[Problem]:
+    if split not in ("train", "test"):
+        raise ValueError(f"dataset {name!r} has splits 'train' and 'test', not {split!r}")
+    return [dict(p) for p in _arith_split(name, split)]  # copies, so callers cannot corrupt the cache
