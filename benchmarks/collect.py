@@ -52,20 +52,38 @@ def read_run(run_dir: Path) -> dict | None:
     first, last = eval_rows[0], eval_rows[-1]
     right_len, wrong_len = sample_lengths(run_dir, train_rows[-1]["step"])
     return {
-        "label": record["label"], "seed": record["seed"], "algo": config.get("exp_name", record["label"]),
-        "dataset": dataset, "steps": train_rows[-1]["step"],
+        "label": record["label"],
+        "seed": record["seed"],
+        "algo": config.get("exp_name", record["label"]),
+        "dataset": dataset,
+        "steps": train_rows[-1]["step"],
         "base_mean": at(first, f"mean@{n}") if first["step"] == 0 else None,
-        "final_mean": at(last, f"mean@{n}"), "final_pass": at(last, f"pass@{max(ks)}"), "final_greedy": at(last, "greedy"),
-        "response_len": at(last, "response_len"), "right_len_chars": right_len, "wrong_len_chars": wrong_len,
-        "train_wall_s": train_rows[-1].get("time/elapsed_s"), "run_wall_s": record["wall_s"],
+        "final_mean": at(last, f"mean@{n}"),
+        "final_pass": at(last, f"pass@{max(ks)}"),
+        "final_greedy": at(last, "greedy"),
+        "response_len": at(last, "response_len"),
+        "right_len_chars": right_len,
+        "wrong_len_chars": wrong_len,
+        "train_wall_s": train_rows[-1].get("time/elapsed_s"),
+        "run_wall_s": record["wall_s"],
         "s_per_step": statistics.median(r["time/step_s"] for r in train_rows),  # median: robust to the warm-up step
-        "rollout_s": median_of(train_rows, "time/rollout_s"), "logprob_s": median_of(train_rows, "time/old_logprobs_s"),
-        "update_s": median_of(train_rows, "time/train_s", "time/critic_s", "time/prm_s"),  # ppo's critic, prime's PRM updates count
-        "group_size": config.get("group_size"), "max_new_tokens": config.get("max_new_tokens"),
+        "rollout_s": median_of(train_rows, "time/rollout_s"),
+        "logprob_s": median_of(train_rows, "time/old_logprobs_s"),
+        "update_s": median_of(
+            train_rows, "time/train_s", "time/critic_s", "time/prm_s"
+        ),  # ppo's critic, prime's PRM updates count
+        "group_size": config.get("group_size"),
+        "max_new_tokens": config.get("max_new_tokens"),
         "gen_tok_s": statistics.mean(r["time/tokens_per_s"] for r in train_rows),
         "peak_mem_gb": max(r.get("memory/peak_rss_gb", 0.0) for r in train_rows),
-        "n": n, "k": max(ks), "hardware": config.get("hardware", ""), "commit": str(record.get("git_commit") or "")[:10],
-        "dirty": record.get("git_dirty"), "command": record["command"], "rows": rows, "eval_prefix": prefix,
+        "n": n,
+        "k": max(ks),
+        "hardware": config.get("hardware", ""),
+        "commit": str(record.get("git_commit") or "")[:10],
+        "dirty": record.get("git_dirty"),
+        "command": record["command"],
+        "rows": rows,
+        "eval_prefix": prefix,
     }
 
 
@@ -76,10 +94,12 @@ def median_of(rows: list[dict], *keys: str) -> float | None:
 
 
 def sample_lengths(run_dir: Path, steps: int) -> tuple[float | None, float | None]:
-    """Mean length (characters) of the logged training samples judged right / wrong, over the last third of steps.
+    """Mean length (characters) of the logged training samples judged right / wrong, over the last third of
+    steps.
 
     Each script logs a few samples per step (samples.jsonl); the length of wrong answers is what Dr. GRPO's
-    length-bias claim is about. Judged with the tiny task's exact checker when the gold is an integer, else by reward > 0.
+    length-bias claim is about. Judged with the tiny task's exact checker when the gold is an integer, else by
+    reward > 0.
     """
     path = run_dir / "samples.jsonl"
     if not path.exists():
@@ -92,7 +112,11 @@ def sample_lengths(run_dir: Path, steps: int) -> tuple[float | None, float | Non
         if sample.get("step", 0) <= steps * 2 // 3 or "completion" not in sample:
             continue
         answer = str(sample.get("answer", ""))
-        ok = grade_boxed_exact(sample["completion"], answer) if answer.lstrip("-").isdigit() else sample.get("reward", 0) > 0
+        ok = (
+            grade_boxed_exact(sample["completion"], answer)
+            if answer.lstrip("-").isdigit()
+            else sample.get("reward", 0) > 0
+        )
         (right if ok else wrong).append(len(sample["completion"]))
     return (statistics.mean(right) if right else None), (statistics.mean(wrong) if wrong else None)
 
@@ -112,26 +136,33 @@ def table(runs: list[dict], suite: str) -> str:
         by_label[r["label"]].append(r)
     n, k = runs[0]["n"], runs[0]["k"]
     lines = [
-        f"| algorithm | base mean@{n} | final mean@{n} | final pass@{k} | final greedy | response len | right / wrong sample len (chars) | steps | train wall-clock (s) | s/step | rollout / log-probs / update (s) | gen tok/s | peak RSS (GB) | seeds |",
+        f"| algorithm | base mean@{n} | final mean@{n} | final pass@{k} | final greedy | response len "
+        "| right / wrong sample len (chars) | steps | train wall-clock (s) | s/step "
+        "| rollout / log-probs / update (s) | gen tok/s | peak RSS (GB) | seeds |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for label, rs in by_label.items():
+        script = rs[0]["algo"] + ".py"
+        link = "algos/" + script if (REPO / "algos" / script).exists() else "benchmarks/peers/"
         lines.append(
-            f"| [{label}]({'algos/' + rs[0]['algo'] + '.py' if (REPO / 'algos' / (rs[0]['algo'] + '.py')).exists() else 'benchmarks/peers/'}) "
+            f"| [{label}]({link}) "
             f"| {mean_std([r['base_mean'] for r in rs])} | **{mean_std([r['final_mean'] for r in rs])}** "
             f"| {mean_std([r['final_pass'] for r in rs])} | {mean_std([r['final_greedy'] for r in rs])} "
-            f"| {mean_std([r['response_len'] for r in rs], 1)} | {mean_std([r['right_len_chars'] for r in rs], 1)} / {mean_std([r['wrong_len_chars'] for r in rs], 1)} | {rs[0]['steps']} | {mean_std([r['train_wall_s'] for r in rs], 0)} "
+            f"| {mean_std([r['response_len'] for r in rs], 1)} "
+            f"| {mean_std([r['right_len_chars'] for r in rs], 1)} / {mean_std([r['wrong_len_chars'] for r in rs], 1)} "
+            f"| {rs[0]['steps']} | {mean_std([r['train_wall_s'] for r in rs], 0)} "
             f"| {mean_std([r['s_per_step'] for r in rs], 2)} "
-            f"| {mean_std([r['rollout_s'] for r in rs], 2)} / {mean_std([r['logprob_s'] for r in rs], 2)} / {mean_std([r['update_s'] for r in rs], 2)} "
+            f"| {mean_std([r['rollout_s'] for r in rs], 2)} / {mean_std([r['logprob_s'] for r in rs], 2)} "
+            f"/ {mean_std([r['update_s'] for r in rs], 2)} "
             f"| {mean_std([r['gen_tok_s'] for r in rs], 0)} "
             f"| {mean_std([r['peak_mem_gb'] for r in rs], 2)} | {len(rs)} |"
         )
     commits = sorted({r["commit"] + (" (dirty)" if r["dirty"] else "") for r in runs})
     lines += [
         "",
-        f"Suite `{suite}`; held-out set `{runs[0]['dataset']}`; mean@{n} and pass@{k} from {n} samples per problem at the "
-        f"suite's evaluation protocol (see each run's config.json); mean ± sample std over seeds. s/step and its parts are "
-        f"per-run medians over steps (evaluation excluded); train wall-clock sums every step. "
+        f"Suite `{suite}`; held-out set `{runs[0]['dataset']}`; mean@{n} and pass@{k} from {n} samples per problem "
+        f"at the suite's evaluation protocol (see each run's config.json); mean ± sample std over seeds. "
+        f"s/step and its parts are per-run medians over steps (evaluation excluded); train wall-clock sums every step. "
         f"Hardware: {runs[0]['hardware']}. Commit(s): {', '.join(commits)}. "
         f"Regenerate: `python benchmarks/run.py {suite} && python benchmarks/collect.py {suite}`.",
     ]
@@ -164,22 +195,35 @@ def peer_comparison(runs: list[dict]) -> str:
     lines = []
     for peer_label in sorted({r["label"] for r in runs if r["label"].startswith("trl_")}):
         ours_label = peer_label.removeprefix("trl_")
-        if not any(r["label"] == ours_label for r in runs):  # a peer-only variant (e.g. trl_grpo-sdpa): compare with grpo
+        if not any(
+            r["label"] == ours_label for r in runs
+        ):  # a peer-only variant (e.g. trl_grpo-sdpa): compare with grpo
             ours_label = ours_label.split("-")[0]
-        pairs = [(by_key[(ours_label, seed)], by_key[(peer_label, seed)]) for (label, seed) in sorted(by_key) if label == peer_label and (ours_label, seed) in by_key]
+        pairs = [
+            (by_key[(ours_label, seed)], by_key[(peer_label, seed)])
+            for (label, seed) in sorted(by_key)
+            if label == peer_label and (ours_label, seed) in by_key
+        ]
         if not pairs:
             continue
         step_ratios = [o["s_per_step"] / p["s_per_step"] for o, p in pairs]
         commits = sorted({r["commit"] for pair in pairs for r in pair})
-        when = "run interleaved in one invocation" if len(commits) == 1 else f"ours and the peer run in separate invocations, commits {', '.join(commits)}"
-        # both sides timed to the FIRST evaluation at the peer's final accuracy (the peer may have got there early)
+        when = (
+            "run interleaved in one invocation"
+            if len(commits) == 1
+            else f"ours and the peer run in separate invocations, commits {', '.join(commits)}"
+        )
+        # both sides timed to the FIRST evaluation at the peer's final accuracy
+        # (the peer may have got there early)
         reach = [(time_to_reach(o, p["final_mean"]), time_to_reach(p, p["final_mean"])) for o, p in pairs]
         reach_ratios = [ours / peer for ours, peer in reach if ours is not None and peer]
         lines += [
             f"**{ours_label} vs {peer_label}** ({len(pairs)} seed pairs, {when}): "
-            f"s/step {mean_std([o['s_per_step'] for o, _ in pairs], 3)} vs {mean_std([p['s_per_step'] for _, p in pairs], 3)}, "
+            f"s/step {mean_std([o['s_per_step'] for o, _ in pairs], 3)} "
+            f"vs {mean_std([p['s_per_step'] for _, p in pairs], 3)}, "
             f"ratio {mean_std(step_ratios, 2)} (per seed: {', '.join(f'{x:.2f}' for x in step_ratios)}); "
-            f"final mean@{pairs[0][0]['n']} {mean_std([o['final_mean'] for o, _ in pairs])} vs {mean_std([p['final_mean'] for _, p in pairs])}; "
+            f"final mean@{pairs[0][0]['n']} {mean_std([o['final_mean'] for o, _ in pairs])} "
+            f"vs {mean_std([p['final_mean'] for _, p in pairs])}; "
             f"train wall-clock to reach the peer's final accuracy: ratio {mean_std(reach_ratios, 2)} "
             f"({len(reach_ratios)}/{len(pairs)} of our runs reached it).",
             "",
@@ -201,7 +245,8 @@ def scaling(runs: list[dict], out: Path) -> str:
     ]
     for (g, t), group in sorted(configs.items()):
         lines.append(
-            f"| {g} | {t} | {mean_std([r['s_per_step'] for r in group], 2)} | {mean_std([r['rollout_s'] for r in group], 2)} "
+            f"| {g} | {t} | {mean_std([r['s_per_step'] for r in group], 2)} "
+            f"| {mean_std([r['rollout_s'] for r in group], 2)} "
             f"| {mean_std([r['update_s'] for r in group], 2)} | {mean_std([r['response_len'] for r in group], 1)} "
             f"| {mean_std([r['gen_tok_s'] for r in group], 0)} | {len(group)} |"
         )
@@ -210,7 +255,9 @@ def scaling(runs: list[dict], out: Path) -> str:
     default_g, default_t = 8, 40
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.8))
     for ax, (name, vary, fixed) in zip(axes, (("group size", 0, default_t), ("max new tokens", 1, default_g))):
-        points = sorted((k[vary], statistics.mean(r["s_per_step"] for r in v)) for k, v in configs.items() if k[1 - vary] == fixed)
+        points = sorted(
+            (k[vary], statistics.mean(r["s_per_step"] for r in v)) for k, v in configs.items() if k[1 - vary] == fixed
+        )
         ax.plot([p[0] for p in points], [p[1] for p in points], "o-")
         ax.set_xlabel(name)
         ax.set_ylabel("s/step")
@@ -267,7 +314,9 @@ def plot(runs: list[dict], out: Path, suite: str) -> None:
                 continue
             color = plt.cm.tab20(i % 20)
             ax.plot(xs, means, label=label, color=color, lw=1.6, ls="--" if label.startswith("trl_") else "-")
-            ax.fill_between(xs, [m - s for m, s in zip(means, stds)], [m + s for m, s in zip(means, stds)], color=color, alpha=0.15)
+            ax.fill_between(
+                xs, [m - s for m, s in zip(means, stds)], [m + s for m, s in zip(means, stds)], color=color, alpha=0.15
+            )
         ax.set_title(title)
         ax.set_xlabel("seconds" if x == "time" else "step")
         ax.grid(alpha=0.3)
@@ -297,7 +346,10 @@ def main() -> None:
     run_dirs = sorted((Path(args.runs_root) / args.suite).glob("*"))
     runs = [r for r in (read_run(d) for d in run_dirs if d.is_dir()) if r is not None]
     if not runs:
-        raise SystemExit(f"no finished runs under {Path(args.runs_root) / args.suite}; run `python benchmarks/run.py {args.suite}` first")
+        raise SystemExit(
+            f"no finished runs under {Path(args.runs_root) / args.suite}; "
+            f"run `python benchmarks/run.py {args.suite}` first"
+        )
     out = REPO / "benchmarks" / "results" / args.suite
     out.mkdir(parents=True, exist_ok=True)
     fields = [k for k in runs[0] if k not in ("rows", "eval_prefix")]

@@ -48,18 +48,27 @@ def main() -> None:
 
     torch.manual_seed(0)
     tokenizer = AutoTokenizer.from_pretrained(TINY_MODEL_DIR)
-    load = lambda: AutoModelForCausalLM.from_pretrained(TINY_MODEL_DIR, dtype=torch.float32, attn_implementation="eager")  # noqa: E731
+
+    def load():
+        return AutoModelForCausalLM.from_pretrained(TINY_MODEL_DIR, dtype=torch.float32, attn_implementation="eager")
+
     policy, ref = load(), load().eval().requires_grad_(False)
-    bf16 = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()  # grpo.py's --mixed-precision auto
+    bf16 = (
+        torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+    )  # grpo.py's --mixed-precision auto
     autocast = lambda: torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16)  # noqa: E731
     optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-12)  # a real step that leaves the weights (almost) alone
     problems = load_problems("arith", "train")[: args.prompts]
     prompts = [tokenizer(format_prompt(p["prompt"], "chat", tokenizer))["input_ids"] for p in problems]
     engine = HFEngine(policy, tokenizer)
-    completions = engine.generate(prompts, args.group_size, args.max_new_tokens, 1.0, 1.0, seed=list(range(args.prompts)))
+    completions = engine.generate(
+        prompts, args.group_size, args.max_new_tokens, 1.0, 1.0, seed=list(range(args.prompts))
+    )
     longest = max(len(c.token_ids) for c in completions)
     rows = len(completions)
-    prompt_ids, prompt_mask = left_pad([p for p in prompts for _ in range(args.group_size)], tokenizer.pad_token_id, "cpu")
+    prompt_ids, prompt_mask = left_pad(
+        [p for p in prompts for _ in range(args.group_size)], tokenizer.pad_token_id, "cpu"
+    )
     completion_ids = torch.full((rows, longest), tokenizer.pad_token_id)
     completion_mask = torch.zeros((rows, longest), dtype=torch.long)
     for i, c in enumerate(completions):
@@ -78,7 +87,9 @@ def main() -> None:
         token, position = torch.full((len(mask), 1), 5), torch.full((len(mask), 1), mask.shape[1])
         for t in range(longest):
             mask = torch.cat([mask, torch.ones_like(mask[:, :1])], 1)
-            policy(input_ids=token, attention_mask=mask, position_ids=position + t, past_key_values=cache, use_cache=True)
+            policy(
+                input_ids=token, attention_mask=mask, position_ids=position + t, past_key_values=cache, use_cache=True
+            )
 
     def reference() -> None:
         with torch.no_grad(), autocast():
@@ -99,7 +110,9 @@ def main() -> None:
     parts = {
         "decode, per-call floor (1 row)": lambda: decode(1),
         f"decode, batched ({rows} rows)": lambda: decode(rows),
-        "HF engine rollout (grpo.py's)": lambda: engine.generate(prompts, args.group_size, args.max_new_tokens, 1.0, 1.0, seed=list(range(args.prompts))),
+        "HF engine rollout (grpo.py's)": lambda: engine.generate(
+            prompts, args.group_size, args.max_new_tokens, 1.0, 1.0, seed=list(range(args.prompts))
+        ),
         "reference forward": reference,
         "policy forward + backward": policy_update,
         "AdamW step + clip": optimizer_step,
@@ -114,17 +127,41 @@ def main() -> None:
             fn()
             times[name].append(time.perf_counter() - t0)
     med = {name: statistics.median(ts) for name, ts in times.items()}
-    floor = med["decode, per-call floor (1 row)"] + med["reference forward"] + med["policy forward + backward"] + med["AdamW step + clip"]
-    batched = med[f"decode, batched ({rows} rows)"] + med["reference forward"] + med["policy forward + backward"] + med["AdamW step + clip"]
+    floor = (
+        med["decode, per-call floor (1 row)"]
+        + med["reference forward"]
+        + med["policy forward + backward"]
+        + med["AdamW step + clip"]
+    )
+    batched = (
+        med[f"decode, batched ({rows} rows)"]
+        + med["reference forward"]
+        + med["policy forward + backward"]
+        + med["AdamW step + clip"]
+    )
     result = {
-        "hardware": hardware(), "torch_threads": torch.get_num_threads(), "bf16_autocast": bf16, "config": vars(args),
-        "batch": {"rows": rows, "prompt_tokens": prompt_ids.shape[1], "longest_completion": longest, "mean_completion": completion_mask.sum().item() / rows},
-        "median_s": med, "min_s": {name: min(ts) for name, ts in times.items()}, "all_s": times,
-        "floor_s": floor, "floor_batched_decode_s": batched,
+        "hardware": hardware(),
+        "torch_threads": torch.get_num_threads(),
+        "bf16_autocast": bf16,
+        "config": vars(args),
+        "batch": {
+            "rows": rows,
+            "prompt_tokens": prompt_ids.shape[1],
+            "longest_completion": longest,
+            "mean_completion": completion_mask.sum().item() / rows,
+        },
+        "median_s": med,
+        "min_s": {name: min(ts) for name, ts in times.items()},
+        "all_s": times,
+        "floor_s": floor,
+        "floor_batched_decode_s": batched,
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-    print(f"{hardware()}, bf16 autocast {bf16}; batch {rows} rows x ({prompt_ids.shape[1]} prompt + {longest} completion) tokens")
+    print(
+        f"{hardware()}, bf16 autocast {bf16}; "
+        f"batch {rows} rows x ({prompt_ids.shape[1]} prompt + {longest} completion) tokens"
+    )
     print("| part | median s | min s |\n|---|---|---|")
     for name in parts:
         print(f"| {name} | {med[name]:.3f} | {min(times[name]):.3f} |")

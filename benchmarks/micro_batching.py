@@ -46,22 +46,35 @@ def main() -> None:
     generator = torch.Generator().manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(TINY_MODEL_DIR, dtype=torch.float32, attn_implementation="eager")
     bf16 = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
-    lengths = (torch.randn(args.rows, generator=generator) * 0.8 + torch.log(torch.tensor(args.median_completion))).exp().round().clamp(8, 240).long()
+    lengths = (
+        (torch.randn(args.rows, generator=generator) * 0.8 + torch.log(torch.tensor(args.median_completion)))
+        .exp()
+        .round()
+        .clamp(8, 240)
+        .long()
+    )
     width = int(lengths.max())
     input_ids = torch.randint(3, model.config.vocab_size, (args.rows, args.prompt_tokens + width), generator=generator)
     attention_mask = torch.ones_like(input_ids)
     for row, n in enumerate(lengths.tolist()):
         attention_mask[row, args.prompt_tokens + n :] = 0
     random_order = torch.randperm(args.rows, generator=generator)
-    layouts = {"random order": random_order, "sorted": random_order[attention_mask[random_order].sum(-1).argsort(stable=True)]}
+    layouts = {
+        "random order": random_order,
+        "sorted": random_order[attention_mask[random_order].sum(-1).argsort(stable=True)],
+    }
 
     def positions(order: torch.Tensor) -> int:
-        return sum(len(rows) * (args.prompt_tokens + int(lengths[rows].max())) for rows in order.split(args.micro_batch_size))
+        return sum(
+            len(rows) * (args.prompt_tokens + int(lengths[rows].max())) for rows in order.split(args.micro_batch_size)
+        )
 
     def learn(order: torch.Tensor) -> None:
         for rows in order.split(args.micro_batch_size):
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-                logprobs, _ = token_logprobs(model, input_ids[rows], attention_mask[rows], width, 1.0, with_entropy=True)
+                logprobs, _ = token_logprobs(
+                    model, input_ids[rows], attention_mask[rows], width, 1.0, with_entropy=True
+                )
             (logprobs * attention_mask[rows, args.prompt_tokens :]).sum().div(args.rows).backward()
         model.zero_grad(set_to_none=True)
 
@@ -73,18 +86,33 @@ def main() -> None:
             t0 = time.perf_counter()
             learn(order)
             times[name].append(time.perf_counter() - t0)
-    counts = {"whole-batch width": args.rows * (args.prompt_tokens + width)} | {name: positions(order) for name, order in layouts.items()}
+    counts = {"whole-batch width": args.rows * (args.prompt_tokens + width)} | {
+        name: positions(order) for name, order in layouts.items()
+    }
     real = int(attention_mask.sum())
     result = {
-        "hardware": hardware(), "bf16_autocast": bf16, "config": vars(args), "completion_lengths": lengths.tolist(),
-        "real_tokens": real, "token_positions": counts, "median_s": {name: statistics.median(ts) for name, ts in times.items()}, "all_s": times,
+        "hardware": hardware(),
+        "bf16_autocast": bf16,
+        "config": vars(args),
+        "completion_lengths": lengths.tolist(),
+        "real_tokens": real,
+        "token_positions": counts,
+        "median_s": {name: statistics.median(ts) for name, ts in times.items()},
+        "all_s": times,
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
-    print(f"{hardware()}, bf16 autocast {bf16}; {args.rows} rows, micro-batches of {args.micro_batch_size}, completions {int(lengths.min())}-{width} tokens (median {int(lengths.median())}); {real} real tokens")
+    print(
+        f"{hardware()}, bf16 autocast {bf16}; {args.rows} rows, micro-batches of {args.micro_batch_size}, "
+        f"completions {int(lengths.min())}-{width} tokens (median {int(lengths.median())}); {real} real tokens"
+    )
     print("| layout | token positions fed to the model | forward+backward, median s |\n|---|---|---|")
     for name, count in counts.items():
-        print(f"| {name} | {count} ({count / real:.2f}x the real tokens) | {statistics.median(times[name]):.3f} |" if name in times else f"| {name} | {count} ({count / real:.2f}x the real tokens) | not run |")
+        print(
+            f"| {name} | {count} ({count / real:.2f}x the real tokens) | {statistics.median(times[name]):.3f} |"
+            if name in times
+            else f"| {name} | {count} ({count / real:.2f}x the real tokens) | not run |"
+        )
 
 
 if __name__ == "__main__":

@@ -51,7 +51,9 @@ def main() -> None:
 
             cfg = RolloutConfig(backend="vllm", vllm_dtype="float32", enforce_eager=True)
             engine = VLLMEngine(cfg, model, tokenizer, str(TINY_MODEL_DIR), seed=0, max_model_len=128)
-        engine.generate(prompts, args.group_size, args.max_new_tokens, 1.0, 1.0, seed=list(range(args.prompts)))  # warm-up
+        engine.generate(
+            prompts, args.group_size, args.max_new_tokens, 1.0, 1.0, seed=list(range(args.prompts))
+        )  # warm-up
         times, tokens = [], []
         for r in range(args.repeats):
             seeds = [1000 * (r + 1) + i * args.group_size for i in range(args.prompts)]
@@ -63,14 +65,19 @@ def main() -> None:
         engine.update_weights(model)
         sync_s = time.perf_counter() - t0
         results["engines"][name] = {
-            "rollout_s_median": statistics.median(times), "rollout_s": times,
-            "gen_tok_s": statistics.median(t / s for t, s in zip(tokens, times)), "mean_len": statistics.mean(tokens) / (args.prompts * args.group_size),
+            "rollout_s_median": statistics.median(times),
+            "rollout_s": times,
+            "gen_tok_s": statistics.median(t / s for t, s in zip(tokens, times)),
+            "mean_len": statistics.mean(tokens) / (args.prompts * args.group_size),
             "weight_sync_s": sync_s,
         }
         del engine
     print(f"{'engine':8} {'rollout s (median)':>19} {'gen tok/s':>10} {'mean len':>9} {'weight push s':>14}")
     for name, r in results["engines"].items():
-        print(f"{name:8} {r['rollout_s_median']:19.3f} {r['gen_tok_s']:10.0f} {r['mean_len']:9.1f} {r['weight_sync_s']:14.3f}")
+        print(
+            f"{name:8} {r['rollout_s_median']:19.3f} {r['gen_tok_s']:10.0f} {r['mean_len']:9.1f} "
+            f"{r['weight_sync_s']:14.3f}"
+        )
     if len(results["engines"]) == 2:
         ratio = results["engines"]["vllm"]["rollout_s_median"] / results["engines"]["hf"]["rollout_s_median"]
         results["vllm_over_hf"] = ratio

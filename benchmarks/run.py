@@ -49,7 +49,9 @@ def load_suite(name: str) -> dict:
     return tomllib.loads(path.read_text())
 
 
-def expand(suite_name: str, suite: dict, seeds: list[int] | None, only: list[str] | None, output_root: Path) -> list[Run]:
+def expand(
+    suite_name: str, suite: dict, seeds: list[int] | None, only: list[str] | None, output_root: Path
+) -> list[Run]:
     """Every (run entry, seed) pair as a command line; entries may set label, script, python, flags, seeds."""
     runs = []
     for entry in suite["runs"]:
@@ -64,7 +66,16 @@ def expand(suite_name: str, suite: dict, seeds: list[int] | None, only: list[str
         for seed in seeds or entry.get("seeds", suite["seeds"]):
             run_dir = output_root / suite_name / f"{label}__{seed}"
             prefix = list(suite.get("launcher", [python]))  # e.g. ["accelerate", "launch", "--num_processes", "8"]
-            cmd = [*prefix, str(script), "--seed", str(seed), "--output-dir", str(run_dir.parent), "--run-name", run_dir.name]
+            cmd = [
+                *prefix,
+                str(script),
+                "--seed",
+                str(seed),
+                "--output-dir",
+                str(run_dir.parent),
+                "--run-name",
+                run_dir.name,
+            ]
             runs.append(Run(label, seed, cmd + list(suite.get("flags", [])) + list(entry.get("flags", [])), run_dir))
     # seed-major order: every entry's seed 1 first, so a partial suite is complete for one seed, and timing
     # comparisons (ours vs a peer) are interleaved in time rather than run in blocks
@@ -80,16 +91,43 @@ def execute(run: Run, threads: int, git: dict, final_eval: list[str], final_eval
     """Run one command to completion, logging its output to run_dir/stdout.log."""
     shutil.rmtree(run.run_dir, ignore_errors=True)  # a failed or --rerun attempt: start clean, never half-resume
     run.run_dir.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads), "HF_HUB_OFFLINE": "1", "WANDB_MODE": os.environ.get("WANDB_MODE", "disabled")}
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": str(threads),
+        "MKL_NUM_THREADS": str(threads),
+        "HF_HUB_OFFLINE": "1",
+        "WANDB_MODE": os.environ.get("WANDB_MODE", "disabled"),
+    }
     start = time.time()
     with open(run.run_dir / "stdout.log", "w") as log:
         code = subprocess.run(run.command, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO).returncode
     for dataset in final_eval if code == 0 else []:  # the final model on further held-out sets
         with open(run.run_dir / "final_eval.jsonl", "a") as out:
-            code = subprocess.run([sys.executable, "-m", "common.evaluate", "--model", str(run.run_dir / "final"), "--dataset", dataset, *final_eval_flags], stdout=out, env=env, cwd=REPO).returncode
+            code = subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "common.evaluate",
+                    "--model",
+                    str(run.run_dir / "final"),
+                    "--dataset",
+                    dataset,
+                    *final_eval_flags,
+                ],
+                stdout=out,
+                env=env,
+                cwd=REPO,
+            ).returncode
     record = {
-        "label": run.label, "seed": run.seed, "command": shlex.join(run.command), "threads": threads,
-        **git, "start": start, "end": time.time(), "wall_s": time.time() - start, "exit_code": code,
+        "label": run.label,
+        "seed": run.seed,
+        "command": shlex.join(run.command),
+        "threads": threads,
+        **git,
+        "start": start,
+        "end": time.time(),
+        "wall_s": time.time() - start,
+        "exit_code": code,
     }
     (run.run_dir / "bench.json").write_text(json.dumps(record, indent=2))
     return record
@@ -115,13 +153,24 @@ def main() -> None:
     jobs = max(1, args.jobs or suite.get("jobs", 1))
     threads = max(1, (os.cpu_count() or 1) // jobs)
     git = git_state()
-    print(f"suite {args.suite}: {len(runs)} runs, {len(runs) - len(todo)} already done, {len(todo)} to run; {jobs} at a time x {threads} threads; commit {str(git['git_commit'])[:10]}{' (dirty)' if git['git_dirty'] else ''}")
+    print(
+        f"suite {args.suite}: {len(runs)} runs, {len(runs) - len(todo)} already done, {len(todo)} to run; "
+        f"{jobs} at a time x {threads} threads; "
+        f"commit {str(git['git_commit'])[:10]}{' (dirty)' if git['git_dirty'] else ''}"
+    )
     failures = []
     with ThreadPoolExecutor(jobs) as pool, tqdm(total=len(todo), desc=args.suite, unit="run") as bar:
-        futures = {pool.submit(execute, run, threads, git, suite.get("final_eval", []), suite.get("final_eval_flags", [])): run for run in todo}
+        futures = {
+            pool.submit(execute, run, threads, git, suite.get("final_eval", []), suite.get("final_eval_flags", [])): run
+            for run in todo
+        }
         for future in as_completed(futures):
             record = future.result()
-            status = "ok" if record["exit_code"] == 0 else f"FAILED (exit {record['exit_code']}, see {futures[future].run_dir}/stdout.log)"
+            status = (
+                "ok"
+                if record["exit_code"] == 0
+                else f"FAILED (exit {record['exit_code']}, see {futures[future].run_dir}/stdout.log)"
+            )
             bar.write(f"{record['label']} seed {record['seed']}: {status} in {record['wall_s']:.0f}s")
             bar.update(1)
             if record["exit_code"]:

@@ -173,8 +173,9 @@ def main() -> None:
     tokenizer.save_pretrained(out)
     spec = ARITH_SPECS[args.task]
     (out / "README.md").write_text(
-        f"# tiny offline model\n\nBuilt by `python scripts/build_tiny_model.py` (seed {args.seed}): Qwen2 architecture, "
-        f"hidden {args.hidden}, {args.layers} layers, {sum(p.numel() for p in model.parameters()):,} parameters, "
+        f"# tiny offline model\n\nBuilt by `python scripts/build_tiny_model.py` (seed {args.seed}): "
+        f"Qwen2 architecture, hidden {args.hidden}, {args.layers} layers, "
+        f"{sum(p.numel() for p in model.parameters()):,} parameters, "
         f"byte-level BPE vocab {len(tokenizer)}.\nWarm start: {args.sft_steps} SFT steps x batch {args.batch_size} on "
         f"`{args.task}` worked solutions ({spec.n_terms} operands in 0..{spec.max_operand}), with the final answer "
         f"corrupted by ±1..3 in {args.wrong_answer_prob:.0%} of the demonstrations.\n"

@@ -77,7 +77,9 @@ def main() -> None:
     cache = REPO / "runs" / "compare" / f"{commit[:12]}-{args.steps}"
     head_out = Path(tempfile.mkdtemp(prefix="compare-head-"))
     worktree = Path(tempfile.mkdtemp(prefix="compare-base-")) / "tree"
-    subprocess.run(["git", "worktree", "add", "--detach", str(worktree), commit], cwd=REPO, check=True, capture_output=True)
+    subprocess.run(
+        ["git", "worktree", "add", "--detach", str(worktree), commit], cwd=REPO, check=True, capture_output=True
+    )
     try:
         base_scripts = {p.stem for p in (worktree / "algos").glob("*.py")}
         head_scripts = {p.stem for p in (REPO / "algos").glob("*.py")}
@@ -88,7 +90,10 @@ def main() -> None:
             head_dir = run_script(REPO, script, head_out, args.steps, args.extra)
             problems = compare(metric_rows(base_dir), metric_rows(head_dir))
             keys = sum(len(row) - 1 for row in metric_rows(base_dir))
-            print(f"{script:8s} {'identical' if not problems else f'{len(problems)} differences'} ({keys} values compared)")
+            print(
+                f"{script:8s} {'identical' if not problems else f'{len(problems)} differences'} "
+                f"({keys} values compared)"
+            )
             for line in problems[:20]:
                 print("    " + line)
             differing += bool(problems)

@@ -37,10 +37,12 @@ Same work as grpo.py (checked against TRL 1.16.0's source, trl/trainer/grpo_trai
   to the fused AdamW.
 * precision: fp32 weights and eager attention, as grpo.py on the CPU; bf16 autocast when grpo.py uses it
   (--mixed-precision, same flag and default). `--attn-implementation sdpa` gives TRL the kernel transformers
-  picks by default (what a TRL user gets): on this CPU its bf16 backward is several times slower. TRL's bf16=True is accelerate's autocast, which also covers TRL's
-  generation (grpo.py samples in fp32), so `--mixed-precision no` on both compares the loops without it.
-* defaults overridden because TRL's differ: learning_rate (1e-6), gradient_checkpointing (True -> False), use_cpu, max_completion_length (512), per_device_train_batch_size (8),
-  beta (0), loss_type ("dapo"), save_strategy (checkpoints -> "no"), logging_steps (10 -> 1), report_to none,
+  picks by default (what a TRL user gets): on this CPU its bf16 backward is several times slower. TRL's bf16=True
+  is accelerate's autocast, which also covers TRL's generation (grpo.py samples in fp32), so `--mixed-precision no`
+  on both compares the loops without it.
+* defaults overridden because TRL's differ: learning_rate (1e-6), gradient_checkpointing (True -> False), use_cpu,
+  max_completion_length (512), per_device_train_batch_size (8), beta (0), loss_type ("dapo"), save_strategy
+  (checkpoints -> "no"), logging_steps (10 -> 1), report_to none,
   tqdm and the per-step log printer off (this script prints grpo.py's progress bar instead).
 * data order (default --data-order ours): the train set is handed to TRL already in grpo.py's order
   (common.data.prompt_batch with the same seed) and TRL's sampler does not shuffle (shuffle_dataset=False), so step
@@ -196,7 +198,9 @@ def main() -> None:
         args.learning_rate = 1e-4
     batch_size = args.prompts_per_step * args.group_size
     if batch_size % args.micro_batch_size:
-        raise SystemExit(f"{batch_size} completions per step do not split into --micro-batch-size {args.micro_batch_size}")
+        raise SystemExit(
+            f"{batch_size} completions per step do not split into --micro-batch-size {args.micro_batch_size}"
+        )
     args.run_name = args.run_name or f"{args.exp_name}__{args.dataset.replace('/', '_')}__{args.seed}"
     run_dir = Path(args.output_dir) / args.run_name
     if (run_dir / "metrics.jsonl").exists():
@@ -229,12 +233,20 @@ def main() -> None:
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     # as grpo.py on the CPU: fp32 weights, eager attention by default (TRL builds the reference model the same way)
-    use_bf16 = args.mixed_precision == "bf16" or (args.mixed_precision == "auto" and (torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()))
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32, attn_implementation=args.attn_implementation)
+    use_bf16 = args.mixed_precision == "bf16" or (
+        args.mixed_precision == "auto" and (torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+    )
+    model = AutoModelForCausalLM.from_pretrained(
+        model_path, dtype=torch.float32, attn_implementation=args.attn_implementation
+    )
 
     def trl_prompt(question: str):
         # 'chat' is exactly the tokenizer's chat template over one user turn: let TRL apply it
-        return [{"role": "user", "content": question}] if template == "chat" else format_prompt(question, template, tokenizer)
+        return (
+            [{"role": "user", "content": question}]
+            if template == "chat"
+            else format_prompt(question, template, tokenizer)
+        )
 
     if args.data_order == "ours":  # grpo.py's prompt stream, consumed in order by a non-shuffling sampler
         order = prompt_batch(len(train_problems), 0, args.total_steps * args.prompts_per_step, args.seed)
@@ -256,7 +268,9 @@ def main() -> None:
         record.correct += [bool(o.correct) for o in outputs]
         for i in range(0, min(len(texts), args.log_samples * args.group_size), args.group_size):
             question = prompts[i][-1]["content"] if isinstance(prompts[i], list) else prompts[i]
-            record.samples.append({"prompt": question, "completion": texts[i], "answer": answer[i], "reward": float(outputs[i].reward)})
+            record.samples.append(
+                {"prompt": question, "completion": texts[i], "answer": answer[i], "reward": float(outputs[i].reward)}
+            )
         record.reward_s += time.time() - t0
         return [o.reward for o in outputs]
 
@@ -321,23 +335,52 @@ def main() -> None:
         log_completions=False,
     )
     if config.generation_batch_size != batch_size or config.steps_per_generation != config.gradient_accumulation_steps:
-        raise SystemExit(f"TRL would generate {config.generation_batch_size} completions every {config.steps_per_generation} micro-steps, not {batch_size} per optimiser step")
+        raise SystemExit(
+            f"TRL would generate {config.generation_batch_size} completions every {config.steps_per_generation} "
+            f"micro-steps, not {batch_size} per optimiser step"
+        )
 
     # grpo.py's optimiser and schedule, exactly
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, betas=(0.9, args.adam_beta2), weight_decay=args.weight_decay)
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=args.learning_rate, betas=(0.9, args.adam_beta2), weight_decay=args.weight_decay
+    )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(1, args.warmup_steps)))
 
     tracker = Tracker(run_dir, args, track=False, project="")
     config_path = run_dir / "config.json"
     saved = json.loads(config_path.read_text())
     saved["peer"] = {
-        "trl": trl.__version__, "transformers": transformers.__version__,
-        "grpo_config": {k: getattr(config, k) for k in (
-            "loss_type", "beta", "epsilon", "epsilon_high", "num_iterations", "scale_rewards", "num_generations",
-            "max_completion_length", "per_device_train_batch_size", "gradient_accumulation_steps", "generation_batch_size",
-            "steps_per_generation", "temperature", "top_p", "top_k", "shuffle_dataset", "gradient_checkpointing", "bf16",
-            "use_cpu", "max_grad_norm", "learning_rate", "warmup_steps", "adam_beta2", "weight_decay",
-        )},
+        "trl": trl.__version__,
+        "transformers": transformers.__version__,
+        "grpo_config": {
+            k: getattr(config, k)
+            for k in (
+                "loss_type",
+                "beta",
+                "epsilon",
+                "epsilon_high",
+                "num_iterations",
+                "scale_rewards",
+                "num_generations",
+                "max_completion_length",
+                "per_device_train_batch_size",
+                "gradient_accumulation_steps",
+                "generation_batch_size",
+                "steps_per_generation",
+                "temperature",
+                "top_p",
+                "top_k",
+                "shuffle_dataset",
+                "gradient_checkpointing",
+                "bf16",
+                "use_cpu",
+                "max_grad_norm",
+                "learning_rate",
+                "warmup_steps",
+                "adam_beta2",
+                "weight_decay",
+            )
+        },
     }
     config_path.write_text(json.dumps(saved, indent=2, default=str))
 
@@ -355,7 +398,16 @@ def main() -> None:
 
         def run_eval(self, model, step: int) -> dict:
             t0 = time.time()
-            metrics = evaluate(HFEngine(model, tokenizer), tokenizer, eval_problems, eval_info.reward_fn, eval_template, eval_cfg, seed=12345, name=eval_name)
+            metrics = evaluate(
+                HFEngine(model, tokenizer),
+                tokenizer,
+                eval_problems,
+                eval_info.reward_fn,
+                eval_template,
+                eval_cfg,
+                seed=12345,
+                name=eval_name,
+            )
             metrics["time/eval_s"] = time.time() - t0
             tracker.log(metrics, step)
             return metrics
@@ -372,9 +424,15 @@ def main() -> None:
             step_s = time.time() - self.mark
             self.elapsed += step_s
             if record.completions != batch_size:
-                raise RuntimeError(f"optimiser step {step} followed {record.completions} new completions, expected exactly {batch_size}")
+                raise RuntimeError(
+                    f"optimiser step {step} followed {record.completions} new completions, "
+                    f"expected exactly {batch_size}"
+                )
             if record.decode_mismatches:
-                print(f"[trl_grpo] warning: TRL's decoded completion text differed from ours in {record.decode_mismatches} completions")
+                print(
+                    "[trl_grpo] warning: TRL's decoded completion text differed from ours "
+                    f"in {record.decode_mismatches} completions"
+                )
             rewards = torch.tensor(record.rewards)
             log = {
                 "train/reward": rewards.mean().item(),
@@ -403,11 +461,21 @@ def main() -> None:
             tracker.log(log, step)
             tracker.log_samples(record.samples, step)
             self.progress.update(1)
-            self.progress.set_postfix(reward=f"{log['train/reward']:.3f}", acc=f"{log['train/accuracy']:.3f}", len=f"{log['train/response_len']:.1f}", s=f"{step_s:.2f}")
+            self.progress.set_postfix(
+                reward=f"{log['train/reward']:.3f}",
+                acc=f"{log['train/accuracy']:.3f}",
+                len=f"{log['train/response_len']:.1f}",
+                s=f"{step_s:.2f}",
+            )
             record.__init__()  # a fresh record for the next step
             if step % args.eval_every == 0 or step == args.total_steps:
                 self.last_eval = self.run_eval(model, step)
-                self.progress.write(f"step {step}: " + "  ".join(f"{k.split('/')[-1]} {v:.3f}" for k, v in self.last_eval.items() if not k.startswith("time")))
+                self.progress.write(
+                    f"step {step}: "
+                    + "  ".join(
+                        f"{k.split('/')[-1]} {v:.3f}" for k, v in self.last_eval.items() if not k.startswith("time")
+                    )
+                )
             self.mark = time.time()  # the evaluation above is not part of the next step
 
         def on_train_end(self, targs, state, control, **kwargs):
@@ -432,8 +500,14 @@ def main() -> None:
     for q, ids in zip(first, trl_ids):
         text = format_prompt(q, template, tokenizer)
         if list(ids) != tokenizer(text)["input_ids"]:
-            raise SystemExit(f"TRL tokenizes the prompt {q!r} differently from format_prompt(..., {template!r}): {list(ids)} vs {tokenizer(text)['input_ids']}")
-        if template == "chat" and tokenizer.apply_chat_template(trl_prompt(q), tokenize=False, add_generation_prompt=True) != text:
+            raise SystemExit(
+                f"TRL tokenizes the prompt {q!r} differently from format_prompt(..., {template!r}): "
+                f"{list(ids)} vs {tokenizer(text)['input_ids']}"
+            )
+        if (
+            template == "chat"
+            and tokenizer.apply_chat_template(trl_prompt(q), tokenize=False, add_generation_prompt=True) != text
+        ):
             raise SystemExit(f"the chat template renders {q!r} differently from format_prompt")
 
     trainer.train()
@@ -445,8 +519,12 @@ def main() -> None:
     model.save_pretrained(run_dir / "final")
     tokenizer.save_pretrained(run_dir / "final")
     summary = {
-        "run": args.run_name, "steps": args.total_steps, "wall_s": round(time.time() - callback.t_start, 1),
-        "train_s": round(callback.elapsed, 1), "eval_start": callback.first_eval.get(key), "eval_end": callback.last_eval.get(key),
+        "run": args.run_name,
+        "steps": args.total_steps,
+        "wall_s": round(time.time() - callback.t_start, 1),
+        "train_s": round(callback.elapsed, 1),
+        "eval_start": callback.first_eval.get(key),
+        "eval_end": callback.last_eval.get(key),
     }
     print("SUMMARY " + json.dumps(summary))
     tracker.close()
