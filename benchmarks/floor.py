@@ -32,7 +32,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 from common.data import TINY_MODEL_DIR, format_prompt, load_problems  # noqa: E402
-from common.rollout import HFEngine, left_pad, token_logprobs  # noqa: E402
+from common.logprobs import token_logprobs  # noqa: E402
+from common.rollout import HFEngine, left_pad  # noqa: E402
 from common.tracking import hardware  # noqa: E402
 
 

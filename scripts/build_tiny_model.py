@@ -28,7 +28,8 @@ from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_toke
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast, Qwen2Config
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from common.data import ARITH_SPECS, TINY_MODEL_DIR, format_prompt, load_problems  # noqa: E402
+from common.data import TINY_MODEL_DIR, format_prompt, load_problems  # noqa: E402
+from common.tasks import ARITH_SPECS  # noqa: E402
 
 QWEN2_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"

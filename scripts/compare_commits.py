@@ -5,8 +5,8 @@
 
 Used to check that a refactor changes no behaviour. The base commit is checked out into a temporary
 ``git worktree``; the other side is this checkout's work tree as it is (uncommitted changes included). Each
-script runs as a subprocess with the same flags on both sides: fixed threads (OMP_NUM_THREADS=2, one interop
-thread), ``--mixed-precision no``, seed 1, ``--total-steps`` steps. Runs on this CPU are deterministic, so every
+script runs as a subprocess with the same flags on both sides: fixed threads (``--threads``, default 2),
+``--mixed-precision no``, seed 1, ``--total-steps`` steps. Runs on this CPU are deterministic, so every
 key of every ``metrics.jsonl`` row must be bit-identical; keys under ``time/`` and ``memory/`` (and the row's wall
 ``time``) are skipped. The exit code is the number of scripts that differ (0 = identical everywhere). Base runs
 are cached under ``runs/compare/<commit>/`` so repeated checks against the same base only rerun the work tree.
@@ -27,13 +27,19 @@ REPO = Path(__file__).resolve().parent.parent
 SKIPPED_PREFIXES = ("time/", "memory/")
 
 
-def run_script(checkout: Path, script: str, out_dir: Path, steps: int, extra: list[str]) -> Path:
+def run_script(checkout: Path, script: str, out_dir: Path, steps: int, threads: int, extra: list[str]) -> Path:
     """Run ``algos/<script>.py`` of ``checkout`` for ``steps`` steps into ``out_dir/<script>``; return the run dir."""
     run_dir = out_dir / script
     if (run_dir / "metrics.jsonl").exists() and (run_dir / "final").exists():
         return run_dir  # cached
     shutil.rmtree(run_dir, ignore_errors=True)
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "2", "PYTHONHASHSEED": "0"}
+    env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "WANDB_MODE": "disabled",
+        "OMP_NUM_THREADS": str(threads),
+        "PYTHONHASHSEED": "0",
+    }
     cmd = [sys.executable, str(checkout / "algos" / f"{script}.py"), "--output-dir", str(out_dir), "--run-name", script]
     cmd += ["--seed", "1", "--total-steps", str(steps), "--mixed-precision", "no", *extra]
     result = subprocess.run(cmd, cwd=checkout, env=env, capture_output=True, text=True)
@@ -69,12 +75,13 @@ def main() -> None:
     parser.add_argument("--base", required=True, help="commit to compare the work tree against")
     parser.add_argument("--only", nargs="*", help="scripts to run (default: every algos/*.py present at both sides)")
     parser.add_argument("--steps", type=int, default=5, help="training steps per run")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads of every run (OMP_NUM_THREADS)")
     parser.add_argument("--extra", nargs=argparse.REMAINDER, default=[], help="further flags for every script")
     args = parser.parse_args()
 
     commit = subprocess.run(["git", "rev-parse", args.base], cwd=REPO, capture_output=True, text=True, check=True)
     commit = commit.stdout.strip()
-    cache = REPO / "runs" / "compare" / f"{commit[:12]}-{args.steps}"
+    cache = REPO / "runs" / "compare" / f"{commit[:12]}-{args.steps}steps-{args.threads}threads"
     head_out = Path(tempfile.mkdtemp(prefix="compare-head-"))
     worktree = Path(tempfile.mkdtemp(prefix="compare-base-")) / "tree"
     subprocess.run(
@@ -86,8 +93,8 @@ def main() -> None:
         scripts = args.only or sorted(base_scripts & head_scripts)
         differing = 0
         for script in scripts:
-            base_dir = run_script(worktree, script, cache, args.steps, args.extra)
-            head_dir = run_script(REPO, script, head_out, args.steps, args.extra)
+            base_dir = run_script(worktree, script, cache, args.steps, args.threads, args.extra)
+            head_dir = run_script(REPO, script, head_out, args.steps, args.threads, args.extra)
             problems = compare(metric_rows(base_dir), metric_rows(head_dir))
             keys = sum(len(row) - 1 for row in metric_rows(base_dir))
             print(
