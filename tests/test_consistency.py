@@ -91,3 +91,21 @@ def test_every_logprob_call_follows_the_lm_head_flag(script):
     if "*logprob_args" in source:  # the shared positional arguments end with the run's head precision
         assert re.search(r"logprob_args = \([^)]*run\.fp32_head,?\s*\)", source)
     assert "run = start_run(args)" in source  # start_run resolves --rollout.fp32-lm-head for the run's device
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_plumbing_comes_from_common(script):
+    """Set-up and bookkeeping are one-line calls into common/, so a plumbing change is made once, not ten times."""
+    source = (REPO / "algos" / f"{script}.py").read_text()
+    for call in (
+        "start_run(args)",
+        "load_task(args)",
+        "Bookkeeper(",
+        "books.steps()",
+        "books.log_step(",
+        "books.end_step(",
+    ):
+        assert call in source, f"{script}.py does not call {call}"
+    assert "books.finish(raw_model)" in source
+    for inline_plumbing in ("Accelerator(", "save_checkpoint(", "signal.signal(", "Tracker(", "AutoTokenizer"):
+        assert inline_plumbing not in source, f"{script}.py does {inline_plumbing} itself instead of through common/"
