@@ -12,27 +12,10 @@ from conftest import REPO, load_algo
 from safetensors.torch import load_file
 
 SCRIPTS = sorted(p.stem for p in (REPO / "algos").glob("*.py"))
-SMALL = [
-    "--prompts-per-step",
-    "4",
-    "--group-size",
-    "4",
-    "--max-new-tokens",
-    "24",
-    "--micro-batch-size",
-    "8",
-    "--eval.max-problems",
-    "8",
-    "--eval.n",
-    "2",
-    "--eval.k",
-    "1",
-    "2",
-    "--eval-every",
-    "2",
-    "--save-every",
-    "1",
-]
+SMALL = (
+    "--prompts-per-step 4 --group-size 4 --max-new-tokens 24 --micro-batch-size 8 --eval.max-problems 8 "
+    "--eval.n 2 --eval.k 1 2 --eval-every 2 --save-every 1"
+).split()
 REQUIRED_TRAIN_KEYS = {
     "train/reward",
     "train/accuracy",
