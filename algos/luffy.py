@@ -57,9 +57,8 @@ import tyro
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from common.bookkeeping import Bookkeeper, pack_rollout, sample_rows  # noqa: E402
-from common.data import format_prompt  # noqa: E402
+from common.data import format_prompt, teacher_completion  # noqa: E402
 from common.evaluate import EvalConfig  # noqa: E402
-from common.hub_data import teacher_completion  # noqa: E402
 from common.logprobs import token_logprobs, token_logprobs_batched  # noqa: E402
 from common.rollout import Completion, RolloutConfig, make_engine  # noqa: E402
 from common.runtime import load_model, load_task, load_tokenizer, start_run  # noqa: E402

@@ -195,6 +195,21 @@ def load_problems(name: str, split: str) -> list[Problem]:
     return validate_rows(dataset_info(name).loader(split), f"{name}[{split}]")
 
 
+def teacher_completion(solution: str, rendered_prompt: str) -> str:
+    """The teacher trace as the completion of ``rendered_prompt``, without a duplicated ``<think>``.
+
+    LUFFY strips a leading ``<think>\\n`` from the trace when the chat-templated prompt already ends
+    with ``<think>\\n`` (``rl_dataset_with_target.py``). Generalised: when the prompt ends with
+    ``<think>`` plus optional whitespace (``r1-zero`` ends with ``<think>``), the trace's own leading
+    ``<think>`` and that same whitespace are dropped; otherwise the trace is returned unchanged.
+    """
+    head = rendered_prompt.rstrip()
+    if not (head.endswith("<think>") and solution.startswith("<think>")):
+        return solution
+    rest, already = solution[len("<think>") :], rendered_prompt[len(head) :]
+    return rest[len(already) :] if rest.startswith(already) else rest
+
+
 # ----------------------------------------------------------------------------------------------
 # Prompt templates
 # ----------------------------------------------------------------------------------------------

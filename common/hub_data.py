@@ -154,7 +154,8 @@ def openr1_luffy_row(row: dict) -> Problem:
     """Elliott/Openr1-Math-46k-8192 (LUFFY): verl format plus ``target`` = [{"role": "assistant", "content": trace}].
 
     prompt = the user message (the OpenR1 system prompt is dropped), answer = reward_model.ground_truth,
-    solution = the DeepSeek-R1 teacher trace verbatim, usually starting with "<think>\\n" (see ``teacher_completion``).
+    solution = the DeepSeek-R1 teacher trace verbatim, usually starting with "<think>\\n"
+    (``common.data.teacher_completion`` drops it after a prompt that ends with one).
     """
     target = _get(row, "target")
     if isinstance(target, (str, bytes, dict)) or not hasattr(target, "__len__") or len(target) == 0:
@@ -178,21 +179,6 @@ def eurus2_rl_row(row: dict) -> Problem | None:
     if _text(row, "ability") != "math":
         return None
     return {"prompt": _user_content(row), "answer": _text(row, "reward_model.ground_truth").strip(), "solution": ""}
-
-
-def teacher_completion(solution: str, rendered_prompt: str) -> str:
-    """The teacher trace as the completion of ``rendered_prompt``, without a duplicated ``<think>``.
-
-    LUFFY strips a leading ``<think>\\n`` from the trace when the chat-templated prompt already ends
-    with ``<think>\\n`` (``rl_dataset_with_target.py``). Generalised: when the prompt ends with
-    ``<think>`` plus optional whitespace (``r1-zero`` ends with ``<think>``), the trace's own leading
-    ``<think>`` and that same whitespace are dropped; otherwise the trace is returned unchanged.
-    """
-    head = rendered_prompt.rstrip()
-    if not (head.endswith("<think>") and solution.startswith("<think>")):
-        return solution
-    rest, already = solution[len("<think>") :], rendered_prompt[len(head) :]
-    return rest[len(already) :] if rest.startswith(already) else rest
 
 
 @dataclass(frozen=True)

@@ -21,9 +21,10 @@ from common.data import (
     format_prompt,
     load_problems,
     prompt_batch,
+    teacher_completion,
     validate_rows,
 )
-from common.hub_data import HUB_SOURCES, HubUnavailableError, map_hub_rows, teacher_completion
+from common.hub_data import HUB_SOURCES, HubUnavailableError, map_hub_rows
 from common.tasks import ARITH_SPECS, make_arith_problems
 
 
