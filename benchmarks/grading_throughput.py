@@ -247,6 +247,7 @@ def _hardware() -> str:
 
 
 _OFFSET = [0]  # first row of the batch being graded
+_TASK_ROWS: dict[int, list[int]] = {}  # batch offset -> the rows of its tasks sent to workers, in order
 _TIMED_OUT: list[int] = []  # rows whose worker ``after`` killed on the deadline
 
 
@@ -258,7 +259,7 @@ def _count_deadline_kills() -> None:
 
     def counting_retire(pool, worker, replace=True):
         if worker.ready and worker.index is not None and time.monotonic() >= worker.deadline:
-            _TIMED_OUT.append(_OFFSET[0] + worker.index)
+            _TIMED_OUT.append(_TASK_ROWS[_OFFSET[0]][worker.index])
         retire(pool, worker, replace)
 
     GraderPool._retire = counting_retire
@@ -304,7 +305,9 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="grading_before_"))
     (tmp / "verifiers_before.py").write_text(_git("show", f"{args.before_ref}:common/verifiers.py") + "\n")
     modules = {"before": _load_module("verifiers_before", tmp / "verifiers_before.py"), "after": after}
-    in_parent = sum(not isinstance(after._prepare(r["completion"], r["gold"]), tuple) for r in rows)
+    to_workers = [isinstance(after._prepare(r["completion"], r["gold"]), tuple) for r in rows]
+    for i in range(0, len(rows), args.batch_size):
+        _TASK_ROWS[i] = [j for j in range(i, min(i + args.batch_size, len(rows))) if to_workers[j]]
     load_start = os.getloadavg()
 
     runs, grades = [], {}
@@ -327,14 +330,17 @@ def main() -> None:
         "python": platform.python_version(),
         "command": "python benchmarks/grading_throughput.py " + " ".join(sys.argv[1:]),
         "before": {"ref": args.before_ref, "commit": _git("rev-parse", args.before_ref)},
-        "after": {"commit": _git("rev-parse", "HEAD"), "dirty": bool(_git("status", "--porcelain", "common/"))},
+        "after": {
+            "commit": _git("rev-parse", "HEAD"),
+            "dirty": bool(_git("status", "--porcelain", "common/verifiers.py", "common/math_grader.py")),
+        },
         "mix": {
             "path": str(args.mix.relative_to(REPO)) if args.mix.is_relative_to(REPO) else str(args.mix),
             "sha256": hashlib.sha256(args.mix.read_bytes()).hexdigest(),
             "answers": len(rows),
             "kinds": {k: sum(r["kind"] == k for r in rows) for k in sorted({r["kind"] for r in rows})},
-            "decided_in_parent": in_parent,
-            "sent_to_workers": len(rows) - in_parent,
+            "decided_in_parent": len(rows) - sum(to_workers),
+            "sent_to_workers": sum(to_workers),
             "timed_out": [{"row": i, "note": rows[i].get("note", rows[i]["kind"])} for i in timed_out],
         },
         "batch_size": args.batch_size,
