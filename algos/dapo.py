@@ -246,7 +246,6 @@ def main() -> None:
     run = start_run(args)  # flags checked, processes started, precision chosen, run folder claimed, seeded
     accelerator, device, autocast = run.accelerator, run.device, run.autocast
     compute_advantages(torch.zeros(2 * args.group_size), args.group_size)  # fail fast on a group size it rejects
-    batch_size = run.local_prompts * args.group_size  # sequences per process per step
     task = load_task(args)
     tokenizer = load_tokenizer(run.model_path)
     raw_model = load_model(run, gradient_checkpointing=args.gradient_checkpointing)
@@ -371,9 +370,8 @@ def main() -> None:
         # 7. update: epochs x minibatches x micro-batches, one optimiser step per minibatch
         t0 = time.time()
         update_stats: dict[str, list[float]] = {}
-        minibatch_size = -(
-            -batch_size // args.num_minibatches
-        )  # ceil: a short batch (dynamic sampling) may split unevenly
+        # ceil: a short batch (dynamic sampling) may split unevenly
+        minibatch_size = -(-batch_size // args.num_minibatches)
         for epoch in range(args.num_epochs):
             generator = torch.Generator().manual_seed(args.seed * 7919 + step * 31 + epoch)
             order = torch.randperm(batch_size, generator=generator).to(device)

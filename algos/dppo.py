@@ -261,9 +261,8 @@ def main() -> None:
     run = start_run(args)  # flags checked, processes started, precision chosen, run folder claimed, seeded
     accelerator, device, autocast = run.accelerator, run.device, run.autocast
     compute_advantages(torch.zeros(2 * args.group_size), args.group_size)  # fail fast on a group size it rejects
-    delta = (
-        args.delta if args.delta is not None else {"binary_tv": 0.15, "binary_kl": 0.05}[args.divergence]
-    )  # ALGO LOGIC
+    # ALGO LOGIC: δ defaults by divergence
+    delta = args.delta if args.delta is not None else {"binary_tv": 0.15, "binary_kl": 0.05}[args.divergence]
     batch_size = run.local_prompts * args.group_size  # sequences per process per step
     task = load_task(args)
     tokenizer = load_tokenizer(run.model_path)

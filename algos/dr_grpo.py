@@ -350,10 +350,8 @@ def main() -> None:
             "time/tokens_per_s": float(completion_mask.sum()) / max(rollout_s, 1e-9),
             "time/train_tokens_per_s": float(attention_mask.sum()) * args.num_epochs / max(train_s, 1e-9),
         }
-        right, lengths = (
-            correct.to(device),
-            completion_mask.sum(-1),
-        )  # ALGO LOGIC: the length bias shows in wrong answers
+        # ALGO LOGIC: the length bias shows in wrong answers
+        right, lengths = correct.to(device), completion_mask.sum(-1)
         step_log["train/response_len_correct"] = ((lengths * right).sum() / right.sum().clamp(min=1)).item()
         step_log["train/response_len_incorrect"] = (
             (lengths * (1 - right)).sum() / (1 - right).sum().clamp(min=1)

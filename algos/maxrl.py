@@ -291,9 +291,8 @@ def main() -> None:
             for start in range(0, batch_size, minibatch_size):
                 mb_rows, minibatch_loss = order[start : start + minibatch_size], 0.0
                 mb_rows = mb_rows[attention_mask[mb_rows].sum(-1).argsort(stable=True)]  # similar lengths together
-                num_tokens = (
-                    max(float(accelerator.reduce(completion_mask[mb_rows].sum(), "sum")), 1.0) / run.world
-                )  # ALGO LOGIC: global token mean (DDP averages)
+                # ALGO LOGIC: global token mean (DDP averages)
+                num_tokens = max(float(accelerator.reduce(completion_mask[mb_rows].sum(), "sum")), 1.0) / run.world
                 for j in range(0, minibatch_size, args.micro_batch_size):
                     rows = mb_rows[j : j + args.micro_batch_size]
                     sync = j + args.micro_batch_size >= minibatch_size

@@ -319,9 +319,7 @@ def main() -> None:
     critic_scheduler = torch.optim.lr_scheduler.LambdaLR(
         critic_optimizer, lambda s: min(1.0, (s + 1) / max(1, args.warmup_steps * args.critic_num_minibatches))
     )
-    critic, critic_optimizer = accelerator.prepare(
-        raw_critic, critic_optimizer
-    )  # the scheduler unprepared, as the policy's
+    critic, critic_optimizer = accelerator.prepare(raw_critic, critic_optimizer)  # the scheduler unprepared
     max_model_len = args.max_prompt_tokens + args.max_new_tokens
     engine = make_engine(args.rollout, raw_model, tokenizer, run.model_path, args.seed + run.rank, max_model_len)
     books = Bookkeeper(

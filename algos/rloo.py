@@ -189,9 +189,8 @@ def policy_loss(
     if advantages.dim() != 1:
         raise ValueError(f"RLOO advantages are one per sequence, shape (B,); got {tuple(advantages.shape)}")
     mask = mask.float()
-    seq_log_ratio = (
-        ((logprobs - old_logprobs) * mask).sum(-1).clamp(-20.0, 20.0)
-    )  # keeps exp finite (verl clamps per token)
+    # the clamp keeps exp finite (verl clamps per token)
+    seq_log_ratio = ((logprobs - old_logprobs) * mask).sum(-1).clamp(-20.0, 20.0)
     ratio = torch.exp(seq_log_ratio)
     seq_loss = torch.max(-advantages * ratio, -advantages * ratio.clamp(1.0 - clip_eps, 1.0 + clip_eps))
     loss = seq_loss.sum() / (num_sequences or logprobs.shape[0])

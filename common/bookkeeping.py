@@ -178,7 +178,7 @@ class Bookkeeper:
         metrics: dict[str, float],
         t_step: float,
         samples: list[dict],
-    ) -> dict[str, float]:
+    ) -> None:
         """Write one step's metrics: ``update_stats`` (lists over micro/mini-batches) averaged as ``train/<key>``,
         ``metrics`` as given, all averaged over processes, plus step time, elapsed time and peak memory."""
         run = self.run
@@ -198,7 +198,6 @@ class Bookkeeper:
             acc=f"{log['train/accuracy']:.3f}",
             len=f"{log['train/response_len']:.1f}",
         )
-        return log
 
     def end_step(self, step: int) -> None:
         """Evaluate and checkpoint on their cadence (and after the last step); exit cleanly after a stop signal."""

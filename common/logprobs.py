@@ -87,10 +87,9 @@ def token_logprobs(
     text_config = inner.config.get_text_config()
     if any(getattr(text_config, name, None) not in (None, 1, 1.0) for name in LOGIT_POSTPROCESSING):
         return from_own_logits()
-    hidden = []  # the decoder's output, caught on the way through the full model's forward (and any wrapper's)
-    hook = inner.get_decoder().register_forward_hook(
-        lambda module, args, output: hidden.append(output[0])
-    )  # last_hidden_state
+    # the decoder's output (last_hidden_state), caught on the way through the full model's forward (and any wrapper's)
+    hidden = []
+    hook = inner.get_decoder().register_forward_hook(lambda module, args, output: hidden.append(output[0]))
     try:
         last_logits = model(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, logits_to_keep=1
