@@ -10,6 +10,7 @@ import pytest
 import torch
 from conftest import REPO, load_algo
 from safetensors.torch import load_file
+from test_docs import undocumented_keys
 
 SCRIPTS = sorted(p.stem for p in (REPO / "algos").glob("*.py"))
 SMALL = (
@@ -57,6 +58,8 @@ def test_script_trains_checkpoints_and_resumes(script, tmp_path):
     assert not missing, missing
     assert all(v == v for r in train_rows for v in r.values() if isinstance(v, float)), "NaN in metrics"
     assert any("eval/arith/mean@2" in r for r in rows)
+    undocumented = undocumented_keys({key for row in rows for key in row})
+    assert not undocumented, f"keys missing from docs/metrics.md: {sorted(undocumented)}"
     config = json.loads((run_dir / "config.json").read_text())
     assert config["exp_name"] == script and "git_commit" in config
     assert (run_dir / "samples.jsonl").read_text().strip()
