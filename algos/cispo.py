@@ -75,6 +75,8 @@ class Args:
     """mirror metrics to Weights & Biases (works with WANDB_MODE=offline)"""
     wandb_project: str = "rl-reasoning"
     """wandb project name"""
+    dist_timeout_minutes: int = 60
+    """how long a process waits for the others at a collective before the run fails (NCCL's own default: 10)"""
     # model and data
     model: str = "tiny"
     """hub id or local folder of the policy ('tiny' = the shipped offline model in common/tiny_model)"""
@@ -86,6 +88,8 @@ class Args:
     """trainer weight dtype ('auto' = float32 master weights: bf16 weights drop AdamW updates below their resolution)"""
     mixed_precision: Literal["auto", "no", "bf16"] = "auto"
     """bf16 autocast of the trainer's forward/backward ('auto' = on for CUDA and bf16-capable CPUs)"""
+    device: Literal["auto", "cuda", "cpu"] = "auto"
+    """where to train ('auto' = CUDA when usable; a GPU install with unusable CUDA stops; 'cpu' = the CPU anyway)"""
     # rollout
     total_steps: int = 60
     """number of rollout + update steps"""
@@ -217,8 +221,7 @@ def main() -> None:
     # model: the DDP-wrapped policy for forward/backward (raw_model itself on one process); not the scheduler,
     # which accelerate would step once per process
     model, optimizer = accelerator.prepare(raw_model, optimizer)
-    max_model_len = args.max_prompt_tokens + args.max_new_tokens
-    engine = make_engine(args.rollout, raw_model, tokenizer, run.model_path, args.seed + run.rank, max_model_len)
+    engine = make_engine(args.rollout, raw_model, tokenizer, run.model_path, args.seed + run.rank, run.max_model_len)
     books = Bookkeeper(
         run, args, tokenizer, task, engine, {"model": raw_model, "optimizer": optimizer, "scheduler": scheduler}
     )
@@ -235,7 +238,7 @@ def main() -> None:
         first_prompt = (args.seed * 1_000_003 + step) * args.prompts_per_step + run.rank * run.local_prompts
         seeds = [(first_prompt + i) * args.group_size for i in range(run.local_prompts)]
         completions = engine.generate(
-            prompt_ids, args.group_size, args.max_new_tokens, args.temperature, args.top_p, seeds
+            prompt_ids, args.group_size, args.max_new_tokens, args.temperature, args.top_p, seeds, stop=task.stop
         )
         engine.sleep()
         rollout_s = time.time() - t0

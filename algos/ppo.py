@@ -75,6 +75,8 @@ class Args:
     """mirror metrics to Weights & Biases (works with WANDB_MODE=offline)"""
     wandb_project: str = "rl-reasoning"
     """wandb project name"""
+    dist_timeout_minutes: int = 60
+    """how long a process waits for the others at a collective before the run fails (NCCL's own default: 10)"""
     # model and data
     model: str = "tiny"
     """hub id or local folder of the policy ('tiny' = the shipped offline model in common/tiny_model)"""
@@ -86,6 +88,8 @@ class Args:
     """trainer weight dtype ('auto' = float32 master weights: bf16 weights drop AdamW updates below their resolution)"""
     mixed_precision: Literal["auto", "no", "bf16"] = "auto"
     """bf16 autocast of the trainer's forward/backward ('auto' = on for CUDA and bf16-capable CPUs)"""
+    device: Literal["auto", "cuda", "cpu"] = "auto"
+    """where to train ('auto' = CUDA when usable; a GPU install with unusable CUDA stops; 'cpu' = the CPU anyway)"""
     # rollout
     total_steps: int = 60
     """number of rollout + update steps"""
@@ -282,10 +286,9 @@ def main() -> None:
     accelerator, device, autocast = run.accelerator, run.device, run.autocast
     args.critic_learning_rate = args.critic_learning_rate or 5 * args.learning_rate
     batch_size = run.local_prompts * args.group_size  # sequences per process per step
-    if batch_size % args.critic_num_minibatches:
+    if batch_size < args.critic_num_minibatches:
         raise SystemExit(
-            f"{batch_size} sequences per process do not split into "
-            f"--critic-num-minibatches {args.critic_num_minibatches}"
+            f"{batch_size} sequences per process cannot fill --critic-num-minibatches {args.critic_num_minibatches}"
         )
     task = load_task(args)
     tokenizer = load_tokenizer(run.model_path)
@@ -320,8 +323,7 @@ def main() -> None:
         critic_optimizer, lambda s: min(1.0, (s + 1) / max(1, args.warmup_steps * args.critic_num_minibatches))
     )
     critic, critic_optimizer = accelerator.prepare(raw_critic, critic_optimizer)  # the scheduler unprepared
-    max_model_len = args.max_prompt_tokens + args.max_new_tokens
-    engine = make_engine(args.rollout, raw_model, tokenizer, run.model_path, args.seed + run.rank, max_model_len)
+    engine = make_engine(args.rollout, raw_model, tokenizer, run.model_path, args.seed + run.rank, run.max_model_len)
     books = Bookkeeper(
         run,
         args,
@@ -350,7 +352,7 @@ def main() -> None:
         first_prompt = (args.seed * 1_000_003 + step) * args.prompts_per_step + run.rank * run.local_prompts
         seeds = [(first_prompt + i) * args.group_size for i in range(run.local_prompts)]
         completions = engine.generate(
-            prompt_ids, args.group_size, args.max_new_tokens, args.temperature, args.top_p, seeds
+            prompt_ids, args.group_size, args.max_new_tokens, args.temperature, args.top_p, seeds, stop=task.stop
         )
         engine.sleep()
         rollout_s = time.time() - t0
@@ -410,15 +412,14 @@ def main() -> None:
         # 7a. ALGO LOGIC: critic update, --critic-num-minibatches optimiser steps over the batch
         t0 = time.time()
         update_stats: dict[str, list[float]] = {}
-        critic_minibatch_size = batch_size // args.critic_num_minibatches
         generator = torch.Generator().manual_seed(args.seed * 7919 + step * 31 + 7)
         order = torch.randperm(batch_size, generator=generator).to(device)
-        for start in range(0, batch_size, critic_minibatch_size):
-            mb_rows, minibatch_loss = order[start : start + critic_minibatch_size], 0.0
-            num_tokens = global_tokens(mb_rows)
-            for j in range(0, critic_minibatch_size, args.micro_batch_size):
+        # exactly --critic-num-minibatches pieces, sizes differing by at most one (ORZ: 8192 rows in 12)
+        for mb_rows in order.tensor_split(args.critic_num_minibatches):
+            minibatch_loss, num_tokens = 0.0, global_tokens(mb_rows)
+            for j in range(0, len(mb_rows), args.micro_batch_size):
                 rows = mb_rows[j : j + args.micro_batch_size]
-                sync = j + args.micro_batch_size >= critic_minibatch_size
+                sync = j + args.micro_batch_size >= len(mb_rows)
                 with accelerator.no_sync(critic) if not sync else contextlib.nullcontext():
                     with autocast():
                         values = critic_values(critic, input_ids[rows], attention_mask[rows], completion_width)

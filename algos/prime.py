@@ -8,6 +8,7 @@ reference π_ref (the base model). For each prompt q, sample K completions y^1..
 
     prompt filter   keep a group only if its accuracy is in [0.2, 0.8]; draw more prompts until the batch is full
     process reward  r_φ(y_t) = β·(log π_φ(y_t | y_<t) - log π_ref(y_t | y_<t))    Σ_t r_φ(y_t) = β·log π_φ(y)/π_ref(y)
+                    then r_φ / (max_{i,t} |Σ_{s>=t} r_φ(y^i_s)| + 1e-6), the max over the whole rollout batch (code)
     PRM loss        L_φ = BCE(σ(β Σ_t log π_φ(y_t)/π_ref(y_t)), correct)           mean over sequences, every step
     advantage       A^i_t = Σ_{s>=t} γ^{s-t} [r_φ(y^i_s) - 1/(K-1) Σ_{j≠i} mean_s r_φ(y^j_s)]  LOO on implicit rewards
                           + r_o(y^i) - 1/(K-1) Σ_{j≠i} r_o(y^j)                                     RLOO on the outcome
@@ -18,7 +19,8 @@ Relative to grpo.py this file changes:
   - a third model: the implicit PRM, a trained copy of the base model with its own AdamW (constant lr), updated
     every step on the current rollouts with the BCE loss above; the reference is always loaded (for the PRM)
   - per-token advantages: leave-one-out returns of the implicit process rewards plus RLOO of the outcome reward,
-    summed and batch-whitened (replaces the group z-score)
+    summed and batch-whitened (replaces the group z-score); the process rewards are first scaled as PRIME's code does
+    (`prime_norm: batch_norm`; --process-reward-norm none: the paper's unscaled rewards)
   - online prompt filtering: groups with accuracy outside [0.2, 0.8] are dropped and refilled from the data
     stream for a bounded number of rounds (the surplus is discarded, not buffered as in PRIME's code)
   - token-mean aggregation over the optimiser mini-batch (PRIME's masked_mean) instead of the per-sequence mean
@@ -76,6 +78,8 @@ class Args:
     """mirror metrics to Weights & Biases (works with WANDB_MODE=offline)"""
     wandb_project: str = "rl-reasoning"
     """wandb project name"""
+    dist_timeout_minutes: int = 60
+    """how long a process waits for the others at a collective before the run fails (NCCL's own default: 10)"""
     # model and data
     model: str = "tiny"
     """hub id or local folder of the policy ('tiny' = the shipped offline model in common/tiny_model)"""
@@ -87,6 +91,8 @@ class Args:
     """trainer weight dtype ('auto' = float32 master weights: bf16 weights drop AdamW updates below their resolution)"""
     mixed_precision: Literal["auto", "no", "bf16"] = "auto"
     """bf16 autocast of the trainer's forward/backward ('auto' = on for CUDA and bf16-capable CPUs)"""
+    device: Literal["auto", "cuda", "cpu"] = "auto"
+    """where to train ('auto' = CUDA when usable; a GPU install with unusable CUDA stops; 'cpu' = the CPU anyway)"""
     # rollout
     total_steps: int = 60
     """number of rollout + update steps"""
@@ -136,6 +142,8 @@ class Args:
     """AdamW learning rate of the implicit PRM, constant (None = 2x --learning-rate, PRIME's 1e-6 PRM vs 5e-7 policy)"""
     prm_double_forward: bool = False
     """recompute the process rewards with the updated PRM ('double forward'; default: the PRM's training forward)"""
+    process_reward_norm: Literal["batch_norm", "none"] = "batch_norm"
+    """scale r_φ by the batch's largest |reverse cumulative sum| (PRIME's code, prime_norm); 'none' = the paper's r_φ"""
     filter_low: float = 0.2
     """keep a prompt's group only if its accuracy is >= this (PRIME: accuracy_lower_bound 0.2)"""
     filter_high: float = 0.8
@@ -161,6 +169,14 @@ def implicit_process_rewards(
 ) -> torch.Tensor:
     """Token rewards r_φ(y_t) = β·(log π_φ(y_t|y_<t) - log π_ref(y_t|y_<t)), (B, T), 0 on padding, no gradient."""
     return (beta * (prm_logprobs - ref_logprobs) * mask.float()).detach()
+
+
+def normalize_process_rewards(process_rewards: torch.Tensor, all_reduce_max=None) -> torch.Tensor:
+    """PRIME's ``prime_norm: batch_norm``: r_φ / (max over rows and tokens of |Σ_{s>=t} r_φ(y_s)| + 1e-6), (B, T).
+
+    ``all_reduce_max`` takes the max over processes (None = this process), so 1 and N processes scale alike."""
+    scale = process_rewards.flip(-1).cumsum(-1).flip(-1).abs().max()
+    return process_rewards / ((all_reduce_max(scale) if all_reduce_max else scale) + 1e-6)
 
 
 def prm_loss(
@@ -304,8 +320,7 @@ def main() -> None:
     # model: the DDP-wrapped policy for forward/backward (raw_model itself on one process); not the scheduler,
     # which accelerate would step once per process
     model, optimizer = accelerator.prepare(raw_model, optimizer)
-    max_model_len = args.max_prompt_tokens + args.max_new_tokens
-    engine = make_engine(args.rollout, raw_model, tokenizer, run.model_path, args.seed + run.rank, max_model_len)
+    engine = make_engine(args.rollout, raw_model, tokenizer, run.model_path, args.seed + run.rank, run.max_model_len)
     books = Bookkeeper(
         run,
         args,
@@ -339,7 +354,7 @@ def main() -> None:
             first_prompt += run.rank * run.local_prompts
             seeds = [(first_prompt + i) * args.group_size for i in range(run.local_prompts)]
             completions = engine.generate(
-                prompt_ids, args.group_size, args.max_new_tokens, args.temperature, args.top_p, seeds
+                prompt_ids, args.group_size, args.max_new_tokens, args.temperature, args.top_p, seeds, stop=task.stop
             )
             engine.sleep()
             rollout_s += time.time() - t0
@@ -432,6 +447,8 @@ def main() -> None:
             with torch.no_grad(), autocast():
                 prm_logprobs = token_logprobs_batched(prm, *logprob_args)
         process_rewards = implicit_process_rewards(prm_logprobs, ref_logprobs, completion_mask, args.prm_beta)
+        if args.process_reward_norm == "batch_norm":  # the scale of PRIME's code, over the batch of every process
+            process_rewards = normalize_process_rewards(process_rewards, lambda t: accelerator.gather(t[None]).max())
         advantages = compute_advantages(
             rewards.to(device),
             process_rewards,

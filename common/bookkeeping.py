@@ -90,8 +90,8 @@ class Bookkeeper:
     ``state`` names every object the checkpoint saves and a resume restores (anything with ``state_dict`` and
     ``load_state_dict``: models unwrapped, optimisers, schedulers); ``state["model"]`` is the policy, which is
     pushed into ``engine`` after a resume. Checkpoints also hold every process's RNG state, the data cursor and
-    the step. Every process must make the same calls in the same order (evaluation runs on the main process, the
-    others wait).
+    the step. Every process must make the same calls in the same order (evaluation is sharded over all of them;
+    the main process writes checkpoints while the others wait).
     """
 
     def __init__(self, run: Run, args, tokenizer, task: Task, engine, state: dict) -> None:
@@ -152,7 +152,7 @@ class Bookkeeper:
         indices = indices[run.rank * run.local_prompts : (run.rank + 1) * run.local_prompts]
         self.cursor += args.prompts_per_step
         problems = [self.task.train_problems[i] for i in indices]
-        return problems, encode_prompts(self.tokenizer, problems, self.task.template, args.max_prompt_tokens)
+        return problems, encode_prompts(self.tokenizer, problems, self.task.template, run.max_prompt_tokens)
 
     def update_is_finite(self, grad_norm: torch.Tensor | float, loss: float, update_stats: dict[str, list]) -> bool:
         """Whether an optimiser step may use this gradient: a non-finite loss or gradient never reaches the weights.
@@ -180,13 +180,21 @@ class Bookkeeper:
         samples: list[dict],
     ) -> None:
         """Write one step's metrics: ``update_stats`` (lists over micro/mini-batches) averaged as ``train/<key>``,
-        ``metrics`` as given, all averaged over processes, plus step time, elapsed time and peak memory."""
+        ``metrics`` as given, each averaged over the processes that logged it, plus step time, elapsed time and peak
+        memory."""
         run = self.run
         log = {f"train/{k}": sum(v) / len(v) for k, v in update_stats.items() if k != "skipped_updates"}
         log |= metrics
         log["train/skipped_updates"] = float(sum(update_stats.get("skipped_updates", [])))
-        values = run.accelerator.reduce(torch.tensor(list(log.values()), device=run.device), "mean").tolist()
-        log = {k: float(v) for k, v in zip(log, values)}
+        # averaged over processes by name: a process may lack a key (LUFFY's teacher statistics when none of its
+        # micro-batches held a teacher trace), so each key is the mean over the processes that logged it
+        keys = list(log)
+        if run.world > 1:
+            every_rank = run.accelerator.gather_for_metrics([keys], use_gather_object=True)
+            keys = list(dict.fromkeys(k for rank_keys in every_rank for k in rank_keys))
+        sums = torch.tensor([[log.get(k, 0.0), float(k in log)] for k in keys], device=run.device)
+        sums = run.accelerator.reduce(sums, "sum")
+        log = {k: float(total / count) for k, (total, count) in zip(keys, sums.tolist())}
         log["time/step_s"] = time.time() - t_step
         self.train_time += log["time/step_s"]
         log["time/elapsed_s"] = self.train_time
@@ -216,24 +224,29 @@ class Bookkeeper:
             )
 
     def evaluate(self, step: int) -> dict[str, float]:
-        """Held-out evaluation on the main process (logged at ``step``); the other processes wait."""
+        """Held-out evaluation, sharded over the processes and gathered (logged at ``step`` by the main process)."""
         run, task = self.run, self.task
         t0 = time.time()
-        metrics = {}
+        metrics = evaluate(
+            self.engine,
+            self.tokenizer,
+            task.eval_problems,
+            task.eval_info.reward_fn,
+            task.eval_template,
+            task.eval_cfg,
+            seed=12345,
+            name=task.eval_name,
+            stop=task.eval_stop,
+            max_prompt_tokens=run.max_prompt_tokens,
+            rank=run.rank,
+            world=run.world,
+            gather=(lambda results: run.accelerator.gather_for_metrics(results, use_gather_object=True))
+            if run.world > 1
+            else None,
+        )
+        metrics["time/eval_s"] = time.time() - t0
         if run.is_main:
-            metrics = evaluate(
-                self.engine,
-                self.tokenizer,
-                task.eval_problems,
-                task.eval_info.reward_fn,
-                task.eval_template,
-                task.eval_cfg,
-                seed=12345,
-                name=task.eval_name,
-            )
-            metrics["time/eval_s"] = time.time() - t0
             self.tracker.log(metrics, step)
-        run.accelerator.wait_for_everyone()
         return metrics
 
     def checkpoint(self, step: int) -> None:

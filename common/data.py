@@ -227,6 +227,9 @@ DAPO_INSTRUCTION = (
 )
 DAPO_REMINDER = 'Remember to put your answer on its own line after "Answer:".'
 TEMPLATES = ("chat", "qwen-math", "r1-zero", "plain", "dapo")
+# text that ends a completion under a template, besides the stop tokens (EOS, the chat template's end of turn):
+# r1-zero's answer closes with a tag, not a token (oat and the R1-zero recipes stop there; the tag stays in the text)
+STOP_STRINGS = {"r1-zero": ("</answer>",)}
 
 
 def format_prompt(prompt: str, template: str, tokenizer) -> str:

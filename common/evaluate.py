@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Callable
 
 from tqdm.auto import tqdm
 
@@ -69,13 +70,32 @@ def score_groups(correct: list[bool], n: int, ks: tuple[int, ...]) -> dict[str, 
 
 
 def evaluate(
-    engine, tokenizer, problems: list[dict], reward_fn: str, template: str, cfg: EvalConfig, seed: int, name: str
+    engine,
+    tokenizer,
+    problems: list[dict],
+    reward_fn: str,
+    template: str,
+    cfg: EvalConfig,
+    seed: int,
+    name: str,
+    stop: tuple[str, ...] = (),
+    max_prompt_tokens: int | None = None,
+    rank: int = 0,
+    world: int = 1,
+    gather: Callable[[list], list] | None = None,
 ) -> dict[str, float]:
     """Generate on ``problems`` with ``engine`` and return ``eval/<name>/...`` metrics.
 
-    ``reward_fn`` names the verifier (a key of ``common.verifiers.REWARD_FNS``) that decides correctness.
+    ``reward_fn`` names the verifier (a key of ``common.verifiers.REWARD_FNS``) that decides correctness; ``stop``
+    holds the template's stop strings. A prompt over ``max_prompt_tokens`` is an error naming it.
+
+    Sharded over processes: process ``rank`` of ``world`` generates and grades its contiguous share of the problems,
+    with the per-problem seeds it would have in a one-process run (so the samples do not depend on ``world``), and
+    ``gather`` (a list from every process, concatenated in rank order) brings the results together; every process
+    returns the metrics of the whole set.
     """
     from common.data import format_prompt
+    from common.rollout import prompt_seeds
     from common.verifiers import compute_rewards
 
     if cfg.max_problems:
@@ -84,22 +104,35 @@ def evaluate(
         raise ValueError("evaluate: cfg.max_new_tokens must be resolved to a positive budget by the caller")
     if any(k > cfg.n for k in cfg.k):
         raise ValueError(f"--eval.k {cfg.k}: every k must be <= --eval.n {cfg.n}")
+    seeds = prompt_seeds(seed, len(problems))
+    lo, hi = rank * len(problems) // world, (rank + 1) * len(problems) // world
+    problems, seeds = problems[lo:hi], seeds[lo:hi]
     prompt_ids = [tokenizer(format_prompt(p["prompt"], template, tokenizer))["input_ids"] for p in problems]
+    for i, ids in enumerate(prompt_ids):
+        if max_prompt_tokens is not None and len(ids) > max_prompt_tokens:
+            raise ValueError(
+                f"{name} problem {lo + i}: its prompt of {len(ids)} tokens exceeds the prompt budget of "
+                f"{max_prompt_tokens} (--max-prompt-tokens, capped by the model's positions minus the token budget)"
+            )
     metrics: dict[str, float] = {}
     passes = [("sampled", cfg.n, cfg.temperature)] + ([("greedy", 1, 0.0)] if cfg.greedy else [])
     for kind, n, temperature in tqdm(passes, desc=f"eval {name}", leave=False, disable=None):
-        completions = engine.generate(prompt_ids, n, cfg.max_new_tokens, temperature, cfg.top_p, seed)
+        completions = engine.generate(prompt_ids, n, cfg.max_new_tokens, temperature, cfg.top_p, seeds, stop=stop)
         texts = tokenizer.batch_decode([c.token_ids for c in completions], skip_special_tokens=True)
         golds = [p["answer"] for p in problems for _ in range(n)]
-        correct = [r.correct for r in compute_rewards(reward_fn, texts, golds)]
+        results = [
+            (r.correct, len(c.token_ids), c.finish_reason == "length")
+            for r, c in zip(compute_rewards(reward_fn, texts, golds), completions)
+        ]
+        if gather is not None:
+            results = gather(results)
+        correct = [r[0] for r in results]
         if kind == "greedy":
             metrics[f"eval/{name}/greedy"] = sum(correct) / len(correct)
             continue
         metrics.update({f"eval/{name}/{key}": value for key, value in score_groups(correct, n, cfg.k).items()})
-        metrics[f"eval/{name}/response_len"] = sum(len(c.token_ids) for c in completions) / len(completions)
-        metrics[f"eval/{name}/truncation_rate"] = sum(c.finish_reason == "length" for c in completions) / len(
-            completions
-        )
+        metrics[f"eval/{name}/response_len"] = sum(r[1] for r in results) / len(results)
+        metrics[f"eval/{name}/truncation_rate"] = sum(r[2] for r in results) / len(results)
     return metrics
 
 
@@ -130,7 +163,7 @@ def main() -> None:
     import tyro
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from common.data import dataset_info, load_problems, resolve_model_path
+    from common.data import STOP_STRINGS, dataset_info, format_prompt, load_problems, resolve_model_path
     from common.rollout import make_engine
 
     args = tyro.cli(EvalArgs)
@@ -141,8 +174,19 @@ def main() -> None:
     info = dataset_info(args.dataset)
     problems = load_problems(args.dataset, args.split or info.eval_split)
     template = args.eval.template or info.default_template
-    engine = make_engine(args.rollout, model, tokenizer, path, args.seed, max_model_len=4096 + args.eval.max_new_tokens)
-    metrics = evaluate(engine, tokenizer, problems, info.reward_fn, template, args.eval, args.seed, args.dataset)
+    if args.eval.max_problems:
+        problems = problems[: args.eval.max_problems]
+    longest_prompt = max(len(tokenizer(format_prompt(p["prompt"], template, tokenizer))["input_ids"]) for p in problems)
+    max_model_len = longest_prompt + args.eval.max_new_tokens
+    limit = getattr(model.config, "max_position_embeddings", None)
+    if limit is not None and max_model_len > limit:
+        raise SystemExit(
+            f"the longest prompt ({longest_prompt} tokens) + --eval.max-new-tokens {args.eval.max_new_tokens} exceeds "
+            f"the model's {limit} positions (max_position_embeddings)"
+        )
+    engine = make_engine(args.rollout, model, tokenizer, path, args.seed, max_model_len=max_model_len)
+    stop = STOP_STRINGS.get(template, ())
+    metrics = evaluate(engine, tokenizer, problems, info.reward_fn, template, args.eval, args.seed, args.dataset, stop)
     print(
         json.dumps({"model": args.model, "dataset": args.dataset, "protocol": vars(args.eval), **metrics}, default=list)
     )

@@ -7,8 +7,15 @@
 
 ``generate`` returns a flat list of ``Completion``; prompt i's n samples are rows i*n .. i*n+n-1, the
 contiguous group layout every ``compute_advantages`` expects. Each completion carries its token ids
-(EOS included when the model stopped), the sampling policy's per-token log-probs (after temperature and
-top-p, i.e. of the distribution the token was actually drawn from), and a finish reason ("stop" or "length").
+(the stop token or the tokens that completed a stop string included when it stopped), the sampling policy's
+per-token log-probs (after temperature and top-p, i.e. of the distribution the token was actually drawn from),
+and a finish reason ("stop" or "length").
+
+Where a completion stops, the same in both engines: at a stop token (``stop_token_ids``: the generation config's
+and the tokenizer's EOS, plus the token that ends an assistant turn in the chat template, e.g. Qwen's
+``<|im_end|>``, which Qwen2.5 base checkpoints do not declare as EOS), or at the end of a stop string
+(``generate(..., stop=...)``, e.g. ``</answer>`` for the r1-zero template), matched on the decoded text as
+vLLM's ``stop=`` does, and kept in the completion.
 
 * ``HFEngine``: a KV-cached decode loop on the training model itself (CPU or GPU). Weight sync is free
   because the engine holds the very module being trained.
@@ -20,6 +27,7 @@ from __future__ import annotations
 
 import importlib.util
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
@@ -53,9 +61,9 @@ class RolloutConfig:
 class Completion:
     """One sampled completion."""
 
-    token_ids: list[int]  # generated ids, EOS included when finish_reason == "stop"
+    token_ids: list[int]  # generated ids, the stop token / stop string's last token included when it stopped
     logprobs: list[float]  # log-prob of each generated id under the sampling distribution
-    finish_reason: str  # "stop" (EOS) or "length" (hit max_new_tokens)
+    finish_reason: str  # "stop" (stop token or stop string) or "length" (hit max_new_tokens)
 
 
 class Engine(Protocol):
@@ -69,6 +77,7 @@ class Engine(Protocol):
         temperature: float,
         top_p: float,
         seed: int | list[int],
+        stop: Sequence[str] = (),
     ) -> list[Completion]: ...
 
     def update_weights(self, model: torch.nn.Module) -> None: ...
@@ -89,7 +98,8 @@ class HFEngine:
 
     def __init__(self, model: torch.nn.Module, tokenizer, max_batch: int = 512):
         self.model, self.tokenizer, self.max_batch = model, tokenizer, max_batch
-        self.eos_ids = eos_ids(model, tokenizer)
+        self.stop_ids = stop_token_ids(model, tokenizer)
+        self.token_text: dict[int, str] = {}  # decoded text of single ids, for the stop-string pre-check
 
     @torch.no_grad()
     def generate(
@@ -100,10 +110,12 @@ class HFEngine:
         temperature: float,
         top_p: float,
         seed: int | list[int],
+        stop: Sequence[str] = (),
     ) -> list[Completion]:
         """Sample ``n`` completions per prompt; ``temperature == 0`` means greedy.
 
         ``seed`` is one int for the call or one int per prompt; sample j of prompt i uses seed_i + j (as vLLM).
+        ``stop``: strings that end a completion once its decoded text contains one (the text stays in it).
         """
         seeds = prompt_seeds(seed, len(prompt_ids))
         per_call = max(1, self.max_batch // n)  # prompts per decode call
@@ -119,13 +131,21 @@ class HFEngine:
                     max_new_tokens,
                     temperature,
                     top_p,
+                    tuple(stop),
                 )
             return out
         finally:
             self.model.train(was_training)
 
     def _decode(
-        self, prompts: list[list[int]], n: int, seeds: list[int], max_new_tokens: int, temperature: float, top_p: float
+        self,
+        prompts: list[list[int]],
+        n: int,
+        seeds: list[int],
+        max_new_tokens: int,
+        temperature: float,
+        top_p: float,
+        stop: tuple[str, ...],
     ) -> list[Completion]:
         device = next(self.model.parameters()).device
         # prefill each distinct prompt once, then copy its KV cache to its n samples
@@ -148,11 +168,12 @@ class HFEngine:
         )
         batch = len(prompts) * n
         generators = [torch.Generator(device=device).manual_seed(s + j) for s in seeds for j in range(n)]
-        eos = torch.tensor(self.eos_ids, device=device)
+        stop_ids = torch.tensor(self.stop_ids, device=device)
         tokens = torch.full((batch, max_new_tokens), -1, dtype=torch.long, device=device)
         logprobs = torch.zeros((batch, max_new_tokens), device=device)
         active = torch.arange(batch, device=device)  # rows still in the decode batch, in the order the cache holds them
-        finished = torch.zeros(batch, dtype=torch.bool, device=device)  # rows that have emitted EOS (by original row)
+        finished = torch.zeros(batch, dtype=torch.bool, device=device)  # rows that have stopped (by original row)
+        lengths = torch.full((batch,), max_new_tokens, device=device)  # a stopped row ends at its first stop
         vocab = logits.shape[-1]
         # decode steps of noise drawn at once: a few at a time, since most samples stop long before the token budget
         chunk = max(1, min(max_new_tokens, NOISE_CHUNK_STEPS, NOISE_BUDGET // (batch * vocab)))
@@ -166,7 +187,12 @@ class HFEngine:
                 next_tokens = logits.argmax(-1)
             tokens[active, step] = next_tokens
             logprobs[active, step] = torch.log_softmax(logits, -1).gather(-1, next_tokens[:, None]).squeeze(-1)
-            finished[active] |= torch.isin(next_tokens, eos)
+            was_finished = finished[active]
+            stops_now = torch.isin(next_tokens, stop_ids)
+            if stop:
+                stops_now |= self._stop_string_hit(tokens, active, next_tokens, was_finished, step, stop).to(device)
+            lengths[active[stops_now & ~was_finished]] = step + 1
+            finished[active] = was_finished | stops_now
             done = finished[active]
             if done.all() or step == max_new_tokens - 1:
                 break
@@ -190,13 +216,45 @@ class HFEngine:
             )
             logits = out.logits[:, -1].float()
         completions = []
-        for row_tokens, row_logprobs in zip(tokens.tolist(), logprobs.tolist()):
-            stop = next((t for t, tok in enumerate(row_tokens) if tok in self.eos_ids), None)
-            length = max_new_tokens if stop is None else stop + 1
-            completions.append(
-                Completion(row_tokens[:length], row_logprobs[:length], "length" if stop is None else "stop")
-            )
+        # a stopped row's last token is the stop token or the one that completed a stop string; tokens a row drew after
+        # that (it stays in the decode batch until enough rows have finished) are dropped here
+        for row_tokens, row_logprobs, length, stopped in zip(
+            tokens.tolist(), logprobs.tolist(), lengths.tolist(), finished.tolist()
+        ):
+            completions.append(Completion(row_tokens[:length], row_logprobs[:length], "stop" if stopped else "length"))
         return completions
+
+    def _stop_string_hit(
+        self,
+        tokens: torch.Tensor,
+        active: torch.Tensor,
+        next_tokens: torch.Tensor,
+        was_finished: torch.Tensor,
+        step: int,
+        stop: tuple[str, ...],
+    ) -> torch.Tensor:
+        """(len(active),) bool: whether a row still running now ends with a stop string (it did not before).
+
+        Only rows whose new token's own text holds a stop string's last character are decoded (the token that
+        completes a stop string holds it), and only their last ``len(stop string)`` tokens (each token decodes to at
+        least one character, so the window holds the whole string).
+        """
+        hit = torch.zeros(len(active), dtype=torch.bool)
+        last_chars = {s[-1] for s in stop if s}
+        window = max(len(s) for s in stop)
+        for i, (token, finished) in enumerate(zip(next_tokens.tolist(), was_finished.tolist())):
+            if finished:
+                continue
+            if token not in self.token_text:
+                self.token_text[token] = self.tokenizer.decode([token], skip_special_tokens=False)
+            text = self.token_text[token]
+            # a character outside ASCII may arrive split over byte tokens: then always decode the window
+            if not any(c in text or not c.isascii() for c in last_chars):
+                continue
+            row = int(active[i])
+            tail = self.tokenizer.decode(tokens[row, max(0, step + 1 - window) : step + 1].tolist())
+            hit[i] = any(s in tail for s in stop)
+        return hit
 
     def update_weights(self, model: torch.nn.Module) -> None:
         """Nothing to do: the engine samples from the training module itself."""
@@ -259,7 +317,8 @@ def make_engine(
             "the policy is FSDP-sharded (FSDP1 modules or FSDP2 DTensors): the scripts do not support FSDP yet. "
             "Their checkpoints "
             "save the main process's state_dict and the HF engine would decode a different number of steps per rank "
-            "(a deadlock in FSDP's all-gathers). Use DDP (scripts/accelerate/multi_gpu.yaml); see README 'Scaling out'."
+            "(a deadlock in FSDP's all-gathers). Use DDP (scripts/accelerate/multi_gpu.yaml); "
+            "see docs/gpu.md 'Sharding'."
         )
     backend = cfg.backend
     if backend == "auto":
@@ -283,6 +342,36 @@ def left_pad(sequences: list[list[int]], pad_id: int, device) -> tuple[torch.Ten
             input_ids[i, width - len(s) :] = torch.tensor(s)
             attention_mask[i, width - len(s) :] = 1
     return input_ids.to(device), attention_mask.to(device)
+
+
+def stop_token_ids(model: torch.nn.Module, tokenizer) -> list[int]:
+    """Ids that end a completion: the EOS ids (``eos_ids``) plus the chat template's end-of-turn token."""
+    return eos_ids(model, tokenizer) + [t for t in end_of_turn_ids(tokenizer) if t not in eos_ids(model, tokenizer)]
+
+
+def end_of_turn_ids(tokenizer) -> list[int]:
+    """The special token that closes an assistant turn in the tokenizer's chat template ([] when there is none).
+
+    Found by rendering a two-turn conversation and reading the first token after the assistant's text: ``<|im_end|>``
+    for Qwen's ChatML, ``<|eot_id|>`` for Llama 3, ``<end_of_turn>`` for Gemma. Qwen2.5 base checkpoints declare
+    only ``<|endoftext|>`` as EOS (config.json, generation_config.json), so without this a chat-templated completion
+    would run to the token budget (QwenLM/Qwen2.5 issue #927).
+    """
+    if getattr(tokenizer, "chat_template", None) is None:
+        return []
+    marker = "ANSWER_END_MARKER"
+    conversation = [{"role": "user", "content": "question"}, {"role": "assistant", "content": marker}]
+    try:
+        text = tokenizer.apply_chat_template(conversation, tokenize=False)
+    except Exception:  # noqa: BLE001 - a template that rejects this conversation has no turn end to find
+        return []
+    if marker not in text:
+        return []
+    suffix_ids = tokenizer(text.split(marker, 1)[1], add_special_tokens=False)["input_ids"]
+    special = set(tokenizer.all_special_ids) | {
+        i for i, tok in tokenizer.added_tokens_decoder.items() if getattr(tok, "special", False)
+    }
+    return suffix_ids[:1] if suffix_ids and suffix_ids[0] in special else []
 
 
 def eos_ids(model: torch.nn.Module, tokenizer) -> list[int]:

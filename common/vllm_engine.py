@@ -8,11 +8,12 @@ imports vLLM or touches CUDA. The engine follows the ``Engine`` interface of ``c
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 
 import torch
 
 from common.logprobs import unwrap_model
-from common.rollout import Completion, RolloutConfig, eos_ids, prompt_seeds, use_fp32_head
+from common.rollout import Completion, RolloutConfig, prompt_seeds, stop_token_ids, use_fp32_head
 from common.tracking import rng_state, set_rng_state
 
 
@@ -47,7 +48,7 @@ class VLLMEngine:
         import vllm  # lazy: importing common.rollout never imports vLLM
         from vllm.platforms import current_platform
 
-        self.eos_ids = eos_ids(model, tokenizer)
+        self.stop_ids = stop_token_ids(model, tokenizer)  # the same stop ids as HFEngine
         self.sleep_enabled = bool(cfg.enable_sleep_mode and current_platform.is_sleep_mode_available())
         if cfg.enable_sleep_mode and not self.sleep_enabled:
             print(
@@ -94,11 +95,13 @@ class VLLMEngine:
         temperature: float,
         top_p: float,
         seed: int | list[int],
+        stop: Sequence[str] = (),
     ) -> list[Completion]:
         """Sample ``n`` completions per prompt; ``temperature == 0`` means greedy.
 
         ``seed`` is one int for the call or one int per prompt; sample j of prompt i uses seed_i + j (vLLM's
         own rule for the n children of a seeded request), so a resumed run samples the same tokens.
+        ``stop``: strings that end a completion (vLLM's ``stop=``, matched on the detokenized text, kept in it).
         """
         if not prompt_ids:
             return []
@@ -113,18 +116,20 @@ class VLLMEngine:
                 top_k=0,
                 max_tokens=max_new_tokens,
                 seed=None if greedy else prompt_seed,  # per-request generator: no two rows share noise
-                stop_token_ids=list(self.eos_ids),  # the same EOS set as HFEngine (generation config + tokenizer)
+                stop_token_ids=list(self.stop_ids),  # EOS ids + the chat template's end of turn, as HFEngine
+                stop=list(stop) or None,
+                include_stop_str_in_output=True,  # the stop text stays (a format reward needs the closing tag)
                 logprobs=0,  # only the sampled token's log-prob
                 flat_logprobs=True,
                 skip_special_tokens=False,
-                detokenize=False,
+                detokenize=bool(stop),  # vLLM matches stop strings on the text it detokenizes
             )
             for prompt_seed in seeds
         ]
         outputs = self.llm.generate([{"prompt_token_ids": list(ids)} for ids in prompt_ids], params, use_tqdm=False)
         completions = []
         for out in outputs:  # one RequestOutput per prompt, in input order; its samples in index order
-            samples = [self._to_completion(c) for c in out.outputs]
+            samples = [self._to_completion(c, stop) for c in out.outputs]
             if greedy:
                 samples = [
                     Completion(list(samples[0].token_ids), list(samples[0].logprobs), samples[0].finish_reason)
@@ -135,15 +140,18 @@ class VLLMEngine:
             completions += samples
         return completions
 
-    def _to_completion(self, c) -> Completion:
+    def _to_completion(self, c, stop: Sequence[str]) -> Completion:
         if c.finish_reason not in ("stop", "length"):
             raise RuntimeError(f"vLLM request ended with finish_reason={c.finish_reason!r}")
         token_ids = list(c.token_ids)
         logprobs = _sampled_logprobs(c.logprobs, token_ids)
         stopped = c.finish_reason == "stop"
-        # vLLM keeps the stop token (the last appended id) in token_ids; check rather than assume
-        if stopped and (not token_ids or token_ids[-1] not in self.eos_ids):
-            raise RuntimeError(f"vLLM stopped without an EOS id at the end (stop_reason={c.stop_reason!r})")
+        # vLLM keeps the stop token (the last appended id) in token_ids, and the tokens up to the one that completed a
+        # stop string (stop_reason is then that string); check rather than assume
+        if stopped and not (token_ids and (token_ids[-1] in self.stop_ids or c.stop_reason in stop)):
+            raise RuntimeError(
+                f"vLLM stopped without a stop id or stop string at the end (stop_reason={c.stop_reason!r})"
+            )
         return Completion(token_ids=token_ids, logprobs=logprobs, finish_reason="stop" if stopped else "length")
 
     @torch.no_grad()

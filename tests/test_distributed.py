@@ -4,13 +4,19 @@ so the test asserts the world size the script reports.)"""
 
 import json
 import os
+import socket
 import subprocess
 import sys
+import threading
+import time
+from types import SimpleNamespace
 
 import pytest
 import torch
 from conftest import REPO
 from safetensors.torch import load_file
+
+from common.bookkeeping import Bookkeeper
 
 FLAGS = (
     "--prompts-per-step 4 --group-size 4 --max-new-tokens 24 --micro-batch-size 8 --total-steps 2 "
@@ -29,7 +35,14 @@ SCRIPT_FLAGS = {
 }
 
 
-def launch(tmp_path, name, nproc, algo="grpo"):
+def free_port() -> int:
+    """A port no one listens on now (a fixed one can still be held by the previous launch's rendezvous)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(tmp_path, name, nproc, algo="grpo", extra=()):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1"}
     script = [
         str(REPO / "algos" / f"{algo}.py"),
@@ -39,6 +52,7 @@ def launch(tmp_path, name, nproc, algo="grpo"):
         name,
         *FLAGS,
         *SCRIPT_FLAGS[algo],
+        *extra,
     ]
     if nproc == 1:
         cmd = [sys.executable, *script]
@@ -50,7 +64,7 @@ def launch(tmp_path, name, nproc, algo="grpo"):
             "--nproc_per_node",
             str(nproc),
             "--master_port",
-            "29533",
+            str(free_port()),
             *script,
         ]
     result = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
@@ -89,3 +103,84 @@ def test_two_processes_match_one(tmp_path, algo):
             b["train/response_len"]
         )
     assert len(list((tmp_path / "two" / "checkpoints").glob("step_*"))) == 2
+    # evaluation is sharded over the two processes and gathered: the starting policy scores as in one process
+    eval1, eval2 = ([r for r in rows if r["step"] == 0 and "time/eval_s" in r][0] for rows in (rows1, rows2))
+    assert {k: v for k, v in eval1.items() if k.startswith("eval/")} == pytest.approx(
+        {k: v for k, v in eval2.items() if k.startswith("eval/")}
+    )
+
+
+def test_luffy_with_several_minibatches_on_two_processes(tmp_path):
+    """Several mini-batches of one-row micro-batches over two processes: trains, and each logged key stays in its own
+    range (the on-policy ratio near 1, the teacher's probability and f-weight in [0, 1/(1+γ)])."""
+    launch(tmp_path, "two", 2, "luffy", ["--num-minibatches", "2", "--micro-batch-size", "1", "--total-steps", "3"])
+    rows = [json.loads(l) for l in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in rows if "train/reward" in r]
+    assert [r["step"] for r in train] == [1, 2, 3]
+    for r in train:
+        assert abs(r["train/ratio"] - 1) < 0.05, r
+        assert 0 <= r["train/clip_frac"] <= 1 and 0 < r["train/teacher_prob"] < 1, r
+        assert 0 < r["train/teacher_f"] <= 1 / (1 + 0.1) + 1e-6, r  # f(p) = p / (p + γ), γ = 0.1
+        assert r["train/grad_norm"] > 0 and r["train/entropy"] > 0, r
+
+
+class TwoRanks:
+    """Stands in for accelerate across two ranks run as two threads: reduce sums, gather concatenates."""
+
+    def __init__(self):
+        self.barrier, self.slots = threading.Barrier(2), [None, None]
+
+    def view(self, rank):
+        collective = self
+
+        class Accelerator:
+            def _exchange(self, value):
+                collective.slots[rank] = value
+                collective.barrier.wait()
+                both = list(collective.slots)
+                collective.barrier.wait()
+                return both
+
+            def reduce(self, tensor, op):
+                both = self._exchange(tensor)
+                return both[0] + both[1] if op == "sum" else (both[0] + both[1]) / 2
+
+            def gather_for_metrics(self, obj, use_gather_object=False):
+                both = self._exchange(obj)
+                return both[0] + both[1]
+
+        return Accelerator()
+
+
+def test_step_metrics_are_averaged_by_name_over_processes(tmp_path):
+    """Rank 0 and rank 1 log their keys in different orders, and only rank 1 has one of them (LUFFY: a rank whose
+    micro-batches held no teacher trace): every key is the mean over the ranks that logged it, under its own name."""
+    collective, logged = TwoRanks(), {}
+    per_rank = [
+        ({"loss": [1.0, 3.0], "ratio": [1.0]}, {"train/reward": 0.25, "train/accuracy": 0.0, "train/response_len": 8}),
+        (
+            {"teacher_prob": [0.5], "ratio": [0.9], "loss": [6.0]},
+            {"train/reward": 0.75, "train/accuracy": 1.0, "train/response_len": 4},
+        ),
+    ]
+
+    def log_from(rank):
+        books = Bookkeeper.__new__(Bookkeeper)
+        books.run = SimpleNamespace(accelerator=collective.view(rank), device=torch.device("cpu"), world=2)
+        books.train_time = 0.0
+        books.progress = SimpleNamespace(set_postfix=lambda **kw: None)
+        books.tracker = SimpleNamespace(log=lambda log, step: logged.setdefault(rank, log), log_samples=lambda *a: None)
+        books.log_step(1, *per_rank[rank], t_step=time.time(), samples=[])
+
+    threads = [threading.Thread(target=log_from, args=(rank,)) for rank in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    train = [{k: v for k, v in logged[rank].items() if k.startswith("train/")} for rank in (0, 1)]
+    assert train[0] == train[1]
+    assert logged[0]["train/loss"] == pytest.approx((2.0 + 6.0) / 2)
+    assert logged[0]["train/ratio"] == pytest.approx((1.0 + 0.9) / 2)
+    assert logged[0]["train/teacher_prob"] == pytest.approx(0.5)  # rank 1's alone
+    assert logged[0]["train/reward"] == pytest.approx(0.5)
+    assert logged[0]["train/skipped_updates"] == 0.0

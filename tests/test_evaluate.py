@@ -4,14 +4,15 @@ import itertools
 import json
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 from conftest import REPO
-from transformers import AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from common.data import TINY_MODEL_DIR
+from common.data import TINY_MODEL_DIR, load_problems
 from common.evaluate import EvalConfig, evaluate, pass_at_k, score_groups
-from common.rollout import Completion
+from common.rollout import Completion, HFEngine
 
 
 @pytest.mark.parametrize("n", [1, 2, 5, 7])
@@ -46,7 +47,7 @@ class ScriptedEngine:
     def __init__(self, tokenizer, answers, right):
         self.tok, self.answers, self.right = tokenizer, answers, right
 
-    def generate(self, prompt_ids, n, max_new_tokens, temperature, top_p, seed):
+    def generate(self, prompt_ids, n, max_new_tokens, temperature, top_p, seed, stop=()):
         out = []
         for i in range(len(prompt_ids)):
             for j in range(n):
@@ -67,6 +68,59 @@ def test_evaluate_scores_what_the_engine_returns():
     assert m["eval/toy/pass@4"] == pytest.approx(2 / 3)
     assert m["eval/toy/greedy"] == 1.0
     assert m["eval/toy/truncation_rate"] == 0.5
+
+
+def test_evaluate_sharded_over_processes_equals_one_process():
+    """Each rank generates its contiguous share with the seeds it has in a one-process run; gathered, the metrics
+    are the one-process metrics (the real HF engine on the tiny model, sampled and greedy passes)."""
+    tok = AutoTokenizer.from_pretrained(TINY_MODEL_DIR)
+    engine = HFEngine(AutoModelForCausalLM.from_pretrained(TINY_MODEL_DIR), tok)
+    problems = load_problems("arith", "test")[:10]
+    cfg = EvalConfig(n=3, k=(1, 3), max_new_tokens=30)
+    one = evaluate(engine, tok, problems, "exact", "chat", cfg, seed=5, name="arith")
+
+    seen, later_ranks = [], []  # prompts each rank generated for; rank 1's results, handed to rank 0's gather
+    recording = SimpleNamespace(
+        generate=lambda prompt_ids, *a, **k: seen.append(prompt_ids) or engine.generate(prompt_ids, *a, **k)
+    )
+    evaluate(
+        recording,
+        tok,
+        problems,
+        "exact",
+        "chat",
+        cfg,
+        5,
+        "arith",
+        rank=1,
+        world=2,
+        gather=lambda r: later_ranks.append(r) or r,
+    )
+    calls = iter(later_ranks)
+    two = evaluate(
+        recording, tok, problems, "exact", "chat", cfg, 5, "arith", rank=0, world=2, gather=lambda r: r + next(calls)
+    )
+    assert [len(p) for p in seen] == [5, 5, 5, 5]  # each rank: half the problems, sampled then greedy
+    assert seen[0] != seen[2]  # ranks 1 and 0 saw different halves
+    assert two == one
+    assert 0 < one["eval/arith/mean@3"] < 1
+
+
+def test_evaluate_names_a_prompt_over_the_budget():
+    tok = AutoTokenizer.from_pretrained(TINY_MODEL_DIR)
+    problems = [{"prompt": "1+1=?", "answer": "2"}, {"prompt": "1+1=? " * 40, "answer": "2"}]
+    with pytest.raises(ValueError, match="toy problem 1: its prompt of .* tokens exceeds the prompt budget of 30"):
+        evaluate(
+            ScriptedEngine(tok, ["2", "2"], [1, 1]),
+            tok,
+            problems,
+            "exact",
+            "chat",
+            EvalConfig(n=1, k=(1,), max_new_tokens=8),
+            0,
+            "toy",
+            max_prompt_tokens=30,
+        )
 
 
 def test_evaluate_cli_on_the_shipped_model():

@@ -1,16 +1,20 @@
 """PPO (critic, GAE, clipped value loss) against hand-derived values and properties (reference §2(g), §9 10-11)."""
 
 import math
+import os
+import subprocess
+import sys
 from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import load_algo
+from conftest import REPO, load_algo
 from loss_checks import on_two_fake_ranks
 from transformers import AutoConfig, AutoModelForTokenClassification, AutoTokenizer
 
 from common.data import TINY_MODEL_DIR, format_prompt
 from common.rollout import left_pad
+from common.tracking import latest_checkpoint, load_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -216,3 +220,17 @@ def test_critic_values_ignore_left_padding(ppo):
         manual = critic(torch.tensor([short])).logits[0, -5:-1, 0]
     assert torch.allclose(batched[0], alone[0], atol=1e-5)
     assert torch.allclose(alone[0], manual, atol=1e-5)
+
+
+def test_critic_minibatches_need_not_divide_the_batch(tmp_path):
+    """Open-Reasoner-Zero splits 8192 rows into 12 critic mini-batches; uneven splits run (here 16 rows into 3 pieces
+    of 6, 5, 5): three critic optimiser steps per rollout step, every row used once."""
+    cmd = [sys.executable, str(REPO / "algos" / "ppo.py"), "--output-dir", str(tmp_path), "--run-name", "r"]
+    cmd += "--total-steps 1 --prompts-per-step 4 --group-size 4 --max-new-tokens 16 --critic-num-minibatches 3".split()
+    cmd += "--eval-every 100 --eval.max-problems 2 --eval.n 1 --eval.k 1 --eval.no-greedy".split()
+    env = {**os.environ, "OMP_NUM_THREADS": "2"}
+    result = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    saved = load_checkpoint(latest_checkpoint(tmp_path / "r"))
+    steps = {int(s["step"]) for s in saved["critic_optimizer"]["state"].values()}
+    assert steps == {3}

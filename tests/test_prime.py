@@ -247,3 +247,27 @@ def test_policy_clipping(prime, adv, ratio, has_grad):
     loss, _ = prime.policy_loss(lp, old, torch.tensor([[adv]]), torch.ones(1, 1), clip_eps=0.2)
     loss.backward()
     assert (lp.grad.abs().item() > 0) == has_grad
+
+
+def test_process_reward_normalisation_hand_values(prime):
+    """PRIME's batch_norm: divide by the largest |reverse cumulative sum| over the batch (+1e-6).
+    Row 0: r = [1, -2, 0.5] -> reverse sums [-0.5, -1.5, 0.5]; row 1: [0.25, 0, 0] -> [0.25, 0, 0]; max |.| = 1.5."""
+    r = torch.tensor([[1.0, -2.0, 0.5], [0.25, 0.0, 0.0]])
+    out = prime.normalize_process_rewards(r)
+    assert torch.allclose(out, r / (1.5 + 1e-6))
+    returns = out.flip(-1).cumsum(-1).flip(-1)
+    assert returns.abs().max().item() == pytest.approx(1.0, abs=1e-5)  # the largest process return becomes 1
+    assert torch.equal(prime.normalize_process_rewards(torch.zeros(2, 3)), torch.zeros(2, 3))  # no NaN at step 1
+
+
+def test_process_reward_normalisation_uses_the_whole_batch_over_processes(prime):
+    """Split over two processes, each half is scaled by the max of the whole batch (as one process would)."""
+    r = torch.randn(6, 5, generator=torch.Generator().manual_seed(0))
+    whole = prime.normalize_process_rewards(r)
+    halves = [r[:3], r[3:]]
+    scales = [h.flip(-1).cumsum(-1).flip(-1).abs().max() for h in halves]
+    shared_max = lambda t: torch.stack(scales).max()  # what gather(...).max() returns on every rank
+    split = torch.cat([prime.normalize_process_rewards(h, shared_max) for h in halves])
+    assert torch.allclose(split, whole)
+    alone = torch.cat([prime.normalize_process_rewards(h) for h in halves])  # each rank's own max: differs
+    assert not torch.allclose(alone, whole)

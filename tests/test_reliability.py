@@ -185,7 +185,7 @@ def test_empty_and_truncated_completions(tmp_path, monkeypatch):
             if n == 4:  # training rollouts only (evaluation uses n = 2 here)
                 for i, c in enumerate(out):
                     if i % 2 == 0:
-                        c.token_ids, c.logprobs, c.finish_reason = [engine.eos_ids[0]], [-1.0], "stop"
+                        c.token_ids, c.logprobs, c.finish_reason = [engine.stop_ids[0]], [-1.0], "stop"
                     else:
                         c.token_ids, c.logprobs, c.finish_reason = (
                             [5] * max_new_tokens,

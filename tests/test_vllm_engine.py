@@ -14,6 +14,9 @@ LM head's dtype (the last test): their gap to an fp32 trainer is real, tenths of
 what truncated importance sampling corrects for.
 """
 
+import json
+import shutil
+
 import pytest
 
 pytest.importorskip("vllm")
@@ -86,7 +89,7 @@ def test_grouping_eos_and_finish_reasons(setup):
     assert len(completions) == N_PROMPTS * N
     for c in completions:
         assert len(c.logprobs) == len(c.token_ids) > 0
-        eos_at = [t for t, tok in enumerate(c.token_ids) if tok in engine.eos_ids]
+        eos_at = [t for t, tok in enumerate(c.token_ids) if tok in engine.stop_ids]
         if c.finish_reason == "stop":
             assert eos_at == [len(c.token_ids) - 1]  # EOS kept, last, once, with its log-prob
         else:
@@ -144,6 +147,26 @@ def test_greedy_matches_hf_engine(setup):
     theirs = HFEngine(model, tokenizer).generate(prompts, 1, MAX_NEW, 0.0, 1.0, seed=0)
     same = sum(a.token_ids == b.token_ids for a, b in zip(ours[0::2], theirs))
     assert same >= 0.9 * N_PROMPTS, f"greedy completions equal on only {same}/{N_PROMPTS} prompts"  # measured 200/200
+
+
+def test_stop_strings_agree_with_hf_engine(setup):
+    """A stop string (matched on vLLM's detokenized text) ends a completion at the token that completes it, kept in
+    the completion, finish_reason "stop": the same token ids as the HF engine, greedy and sampled."""
+    engine, model, tokenizer, prompts = setup
+    hf = HFEngine(model, tokenizer)
+    free = hf.generate(prompts, 1, MAX_NEW, 0.0, 1.0, seed=0)
+    stop = tokenizer.decode(free[0].token_ids, skip_special_tokens=True)[1:4]  # spans a token boundary
+    ours = engine.generate(prompts, 1, MAX_NEW, 0.0, 1.0, seed=0, stop=(stop,))
+    theirs = hf.generate(prompts, 1, MAX_NEW, 0.0, 1.0, seed=0, stop=(stop,))
+    assert [c.token_ids for c in ours] == [c.token_ids for c in theirs]
+    assert [c.finish_reason for c in ours] == [c.finish_reason for c in theirs]
+    assert ours[0].finish_reason == "stop" and stop in tokenizer.decode(ours[0].token_ids)
+    assert len(ours[0].token_ids) < len(free[0].token_ids)
+    for c in engine.generate(prompts, N, MAX_NEW, 1.0, 1.0, seed=4, stop=(stop,)):
+        text = tokenizer.decode(c.token_ids)
+        if stop in text:
+            assert c.finish_reason == "stop" and stop not in tokenizer.decode(c.token_ids[:-1])
+        assert len(c.logprobs) == len(c.token_ids)
 
 
 def perturbed_copy(model, scale: float):
@@ -240,3 +263,27 @@ def test_fp32_head_narrows_the_bf16_gap(setup):
         gaps[head] = torch.cat([(a - torch.tensor(c.logprobs)).abs() for a, c in zip(ours, completions)]).mean().item()
         del engine
     assert gaps["on"] < gaps["off"]
+
+
+def test_chat_turn_ends_at_im_end_when_the_checkpoint_declares_endoftext(tmp_path):
+    """A checkpoint whose config, generation config and tokenizer declare only <|endoftext|> as EOS (Qwen2.5 base
+    models): vLLM's own EOS is then <|endoftext|>, and completions must still stop at the chat turn's <|im_end|>.
+    It builds its own engine, so it runs last: a second engine unsettles the shared one's vLLM process state."""
+    base = tmp_path / "base_eos"
+    shutil.copytree(TINY_MODEL_DIR, base)
+    tokenizer = AutoTokenizer.from_pretrained(base, eos_token="<|endoftext|>")
+    tokenizer.save_pretrained(base)
+    endoftext, im_end = tokenizer.convert_tokens_to_ids("<|endoftext|>"), tokenizer.convert_tokens_to_ids("<|im_end|>")
+    for name in ("config.json", "generation_config.json"):
+        config = json.loads((base / name).read_text())
+        config["eos_token_id"] = endoftext
+        (base / name).write_text(json.dumps(config))
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    cfg = RolloutConfig(backend="vllm", vllm_dtype="float32", enforce_eager=True)
+    engine = VLLMEngine(cfg, model, tokenizer, str(base), seed=0, max_model_len=128)
+    problems = load_problems("arith", "test")[:8]
+    prompts = [tokenizer(format_prompt(p["prompt"], "chat", tokenizer))["input_ids"] for p in problems]
+    completions = engine.generate(prompts, 2, MAX_NEW, 1.0, 1.0, seed=0)
+    stopped = [c for c in completions if c.finish_reason == "stop"]
+    assert len(stopped) > 0.9 * len(completions)
+    assert all(c.token_ids[-1] == im_end for c in stopped)
