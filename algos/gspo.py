@@ -1,0 +1,388 @@
+"""GSPO: Group Sequence Policy Optimization.
+
+Paper: Zheng et al. 2025, "Group Sequence Policy Optimization", arXiv 2507.18071 (Qwen team): the GSPO objective,
+its gradient and the GSPO-token variant (§4), the clip ranges and 4 mini-batches per rollout batch (§5.1).
+
+For each prompt x, sample a group of G responses y_1..y_G from π_old and score them with a verifier (r_i).
+
+    advantage     Â_i = (r_i - mean_j r_j) / (std_j r_j + 1e-6)           sample std, as grpo.py
+    seq. ratio    s_i(θ) = (π_θ(y_i | x) / π_old(y_i | x))^(1/|y_i|)
+                         = exp((1/|y_i|) Σ_t log π_θ(y_{i,t} | x, y_{i,<t}) / π_old(y_{i,t} | x, y_{i,<t}))
+    surrogate     ℓ_i = -min(s_i Â_i, clip(s_i, 1-ε_low, 1+ε_high) Â_i)      one clip decision per response
+    objective     L = (1/G) Σ_i ℓ_i                                         mean over responses, no KL
+    gradient      ∇ℓ_i = -s_i Â_i (1/|y_i|) Σ_t ∇log π_θ(y_{i,t})           where not clipped
+    GSPO-token    s_{i,t} = sg[s_i] · π_θ(y_{i,t}) / sg[π_θ(y_{i,t})]        sg = stop-gradient
+                  ℓ_i = (1/|y_i|) Σ_t -min(s_{i,t} Â_{i,t}, clip(s_{i,t}, 1-ε_low, 1+ε_high) Â_{i,t})
+
+The importance weight is the geometric mean of the token ratios, so every token of a response shares one weight and
+one clip decision: the unit of the reward (a whole response) is the unit of the off-policy correction. GSPO-token
+has the same value as s_i on every token and lets the advantage vary per token; with a per-response advantage it
+gives GSPO's loss and gradient exactly (tests/test_gspo.py). Since s_i is a length-normalised mean, it moves far
+less than a token ratio: the paper clips at ε_low = 3e-4, ε_high = 4e-4 (§5.1) and still clips about two orders of
+magnitude more tokens than GRPO does (its clipping-fraction comparison). On the tiny model at lr 1e-4 (one seed,
+60 steps, train/clip_frac averaged over all 4 mini-batches of a step) the paper's range clipped 28% of the responses
+(69% in the worst step), 3e-3 / 4e-3 clipped 11% and 0.01 / 0.01 7%. The tiny default is 3e-3 / 4e-3, the paper's
+asymmetry ten times wider; the GPU command below sets the paper's values.
+
+Relative to grpo.py this file changes:
+- the ratio: one length-normalised sequence ratio s_i per response (the mean token log-ratio, exponentiated) with
+  the gradient through s_i, instead of one ratio per token; `--gspo-token` for GSPO-token.
+- the clip: asymmetric ε_low / ε_high on s_i (paper 3e-4 / 4e-4; tiny 3e-3 / 4e-3), one decision per response.
+- the loss: the sequence surrogate averaged over sequences (GSPO's objective); no KL by default (--kl-coef 0 loads no
+  reference model; a β > 0 adds grpo's per-token k3, per-sequence token mean).
+- 4 optimiser steps per rollout batch (§5.1), so s_i leaves 1 after the first.
+
+CPU, offline (the defaults: the shipped tiny model on the synthetic `arith` task):
+    python algos/gspo.py
+GPU, one process (the paper's clip range and 4 mini-batches; lr and token budget for the model):
+    python algos/gspo.py --model Qwen/Qwen2.5-Math-1.5B --dataset math --template qwen-math \
+        --rollout.backend vllm --learning-rate 1e-6 --max-new-tokens 3000 --prompts-per-step 128 \
+        --group-size 8 --num-minibatches 4 --micro-batch-size 8 --clip-eps-low 3e-4 --clip-eps-high 4e-4 \
+        --eval.dataset math500 --track
+GPU, several processes (each rank its own colocated engine; a prompt's group stays on one rank):
+    accelerate launch --num_processes 8 algos/gspo.py <the flags above>
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import torch
+import tyro
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from common.bookkeeping import Bookkeeper, pack_rollout, rollout_stats, sample_rows  # noqa: E402
+from common.evaluate import EvalConfig  # noqa: E402
+from common.logprobs import token_logprobs, token_logprobs_batched  # noqa: E402
+from common.rollout import RolloutConfig, make_engine  # noqa: E402
+from common.runtime import load_model, load_task, load_tokenizer, start_run  # noqa: E402
+from common.verifiers import compute_rewards  # noqa: E402
+
+
+@dataclass
+class Args:
+    # experiment
+    exp_name: str = os.path.basename(__file__)[: -len(".py")]
+    """name of this experiment (the script's name)"""
+    seed: int = 1
+    """seed of the experiment (data order, sampling, initialisation)"""
+    run_name: str = ""
+    """run folder name under output_dir ('' = {exp_name}__{dataset}__{seed})"""
+    output_dir: str = "runs"
+    """where run folders are written"""
+    resume: bool = False
+    """continue runs/<run_name> from its latest checkpoint (same data order and sampling seeds)"""
+    track: bool = False
+    """mirror metrics to Weights & Biases (works with WANDB_MODE=offline)"""
+    wandb_project: str = "rl-reasoning"
+    """wandb project name"""
+    dist_timeout_minutes: int = 60
+    """how long a process waits for the others at a collective before the run fails (NCCL's own default: 10)"""
+    # model and data
+    model: str = "tiny"
+    """hub id or local folder of the policy ('tiny' = the shipped offline model in common/tiny_model)"""
+    dataset: str = "arith"
+    """training dataset (see common/data.py) or jsonl:<path>"""
+    template: str = ""
+    """prompt template: chat, qwen-math, r1-zero, dapo, plain ('' = the dataset's default)"""
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """trainer weight dtype ('auto' = float32 master weights: bf16 weights drop AdamW updates below their resolution)"""
+    mixed_precision: Literal["auto", "no", "bf16"] = "auto"
+    """bf16 autocast of the trainer's forward/backward ('auto' = on for CUDA and bf16-capable CPUs)"""
+    device: Literal["auto", "cuda", "cpu"] = "auto"
+    """where to train ('auto' = CUDA when usable; a GPU install with unusable CUDA stops; 'cpu' = the CPU anyway)"""
+    # rollout
+    total_steps: int = 60
+    """number of rollout + update steps"""
+    prompts_per_step: int = 16
+    """prompts sampled per step, across all processes"""
+    group_size: int = 8
+    """completions per prompt (G)"""
+    max_new_tokens: int = 40
+    """token budget per completion (tiny task: 40; math with a 1.5B model: ~3000)"""
+    max_prompt_tokens: int = 512
+    """prompts longer than this (after templating) are an error"""
+    temperature: float = 1.0
+    """sampling temperature, also applied to the trainer's logits so log-probs match the sampler"""
+    top_p: float = 1.0
+    """nucleus sampling threshold for rollouts"""
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """rollout engine settings"""
+    # optimisation
+    learning_rate: float | None = None
+    """AdamW learning rate (None = 1e-4 for the tiny model; required for any other model, ~1e-6 at 1.5B-7B)"""
+    warmup_steps: int = 10
+    """linear warm-up steps (optimiser steps), then constant"""
+    adam_beta2: float = 0.99
+    """AdamW β2"""
+    weight_decay: float = 0.0
+    """AdamW weight decay"""
+    max_grad_norm: float = 1.0
+    """gradient clipping threshold"""
+    num_epochs: int = 1
+    """passes over each rollout batch (μ in the GRPO paper)"""
+    num_minibatches: int = 4
+    """optimiser steps per epoch over the rollout batch (GSPO §5.1: 4; > 1 makes later updates off-policy, s ≠ 1)"""
+    micro_batch_size: int = 64
+    """sequences per forward/backward (gradient accumulation; does not change the objective)"""
+    gradient_checkpointing: bool = False
+    """recompute each layer's activations in the backward pass: less memory for ~30% more compute (long completions)"""
+    max_bad_steps: int = 5
+    """abort after this many consecutive steps with a non-finite loss or gradient (each is skipped)"""
+    # ALGO LOGIC: GSPO hyperparameters
+    clip_eps_low: float = 3e-3
+    """ε_low, lower clip of the sequence ratio s_i at 1 - ε_low (GSPO §5.1: 3e-4, for GPU runs; tiny: 3e-3)"""
+    clip_eps_high: float = 4e-3
+    """ε_high, upper clip of the sequence ratio s_i at 1 + ε_high (GSPO §5.1: 4e-4, for GPU runs; tiny: 4e-3)"""
+    gspo_token: bool = False
+    """GSPO-token: s_{i,t} = sg[s_i]·π_θ/sg[π_θ] per token; equals GSPO with per-response advantages"""
+    kl_coef: float = 0.0
+    """β of an optional k3 KL to a frozen reference; GSPO uses none, so 0 = no reference model"""
+    # evaluation, logging, checkpoints
+    eval_every: int = 10
+    """evaluate on the held-out set every this many steps (and before the first and after the last)"""
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    """evaluation protocol"""
+    save_every: int = 20
+    """checkpoint every this many steps (and at the end)"""
+    keep_checkpoints: int = 2
+    """number of most recent checkpoints kept (0 = all)"""
+    log_samples: int = 4
+    """completions written to samples.jsonl per step"""
+
+
+# ALGO LOGIC: advantages and loss (the functions tests import)
+def compute_advantages(rewards: torch.Tensor, group_size: int, eps: float = 1e-6) -> torch.Tensor:
+    """Group-normalised advantages Â_i = (R_i - mean_g R) / (std_g R + eps), sample (Bessel) std.
+
+    rewards: (B,) with prompt i's group in rows i*G .. i*G+G-1. Returns (B,). A group whose rewards are
+    all equal gets exactly 0.
+    """
+    if group_size < 2:
+        raise ValueError(f"GRPO needs group_size >= 2 to form a baseline, got {group_size}")
+    if rewards.numel() % group_size:
+        raise ValueError(f"{rewards.numel()} rewards do not split into groups of {group_size}")
+    grouped = rewards.view(-1, group_size).float()
+    mean, std = grouped.mean(dim=1, keepdim=True), grouped.std(dim=1, unbiased=True, keepdim=True)
+    return ((grouped - mean) / (std + eps)).view(-1)
+
+
+def policy_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    clip_eps_low: float = 3e-4,
+    clip_eps_high: float = 4e-4,
+    token_level: bool = False,
+    kl_coef: float = 0.0,
+    ref_logprobs: torch.Tensor | None = None,
+    num_sequences: int | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """GSPO loss: clipped surrogate on the sequence ratio s_i, mean over sequences, divided by ``num_sequences``.
+
+    logprobs (B,T) with grad; old_logprobs, ref_logprobs (B,T) detached; advantages (B,), or (B,T) with
+    ``token_level`` (GSPO-token); mask (B,T) 1 on generated tokens (EOS included). ``num_sequences`` is the size of
+    the optimiser mini-batch (default B): passing it lets micro-batches accumulate to exactly the mini-batch loss.
+    """
+    mask = mask.float()
+    if advantages.dim() == 2 and not token_level:
+        raise ValueError(
+            "GSPO's sequence ratio takes one advantage per response; per-token advantages need token_level"
+        )
+    adv = advantages.unsqueeze(-1) if advantages.dim() == 1 else advantages
+    lengths = mask.sum(-1).clamp(min=1)
+    log_ratio = (logprobs - old_logprobs).clamp(-20.0, 20.0)  # as verl: keeps exp finite
+    seq_log_ratio = (log_ratio * mask).sum(-1, keepdim=True) / lengths.unsqueeze(-1)  # log s_i, (B,1)
+    if token_level:  # GSPO-token: the value of s_i on every token, the gradient of that token's own log π
+        log_ratio = seq_log_ratio.detach() + logprobs - logprobs.detach()
+    else:
+        log_ratio = seq_log_ratio
+    ratio = torch.exp(log_ratio)  # s_i, (B,1), or s_{i,t}, (B,T)
+    per_token = torch.max(-adv * ratio, -adv * ratio.clamp(1.0 - clip_eps_low, 1.0 + clip_eps_high))
+    metrics = {}
+    if kl_coef > 0:
+        if ref_logprobs is None:
+            raise ValueError("kl_coef > 0 needs ref_logprobs")
+        delta = ref_logprobs - logprobs
+        k3 = torch.exp(delta) - delta - 1.0
+        per_token = per_token + kl_coef * k3
+        metrics["kl"] = ((k3 * mask).sum() / mask.sum().clamp(min=1)).item()
+    per_token = per_token.expand_as(mask)  # GSPO: every token of y_i carries ℓ_i, so the token mean below is ℓ_i
+    seq_loss = (per_token * mask).sum(-1) / lengths  # token mean within each sequence
+    loss = seq_loss.sum() / (num_sequences or logprobs.shape[0])
+    with torch.no_grad():  # per sequence: the fraction of its tokens clipped (with per-response Â: 0 or 1), then mean
+        clipped = ((adv > 0) & (ratio > 1 + clip_eps_high)) | ((adv < 0) & (ratio < 1 - clip_eps_low))
+        metrics["clip_frac"] = ((clipped.float().expand_as(mask) * mask).sum(-1) / lengths).mean().item()
+        s_i = torch.exp(seq_log_ratio.squeeze(-1))
+        metrics["ratio"] = s_i.mean().item()
+        metrics["seq_ratio_dev"] = (s_i - 1).abs().mean().item()
+    return loss, metrics
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> float:
+    return ((x * mask).sum() / mask.sum().clamp(min=1)).item()
+
+
+def main() -> None:
+    args = tyro.cli(Args)
+    run = start_run(args)  # flags checked, processes started, precision chosen, run folder claimed, seeded
+    accelerator, device, autocast = run.accelerator, run.device, run.autocast
+    compute_advantages(torch.zeros(2 * args.group_size), args.group_size)  # fail fast on a group size it rejects
+    batch_size = run.local_prompts * args.group_size  # sequences per process per step
+    task = load_task(args)
+    tokenizer = load_tokenizer(run.model_path)
+    raw_model = load_model(run, gradient_checkpointing=args.gradient_checkpointing)
+    ref_model = load_model(run, frozen=True) if args.kl_coef > 0 else None  # ALGO LOGIC: only the KL term needs it
+    optimizer = torch.optim.AdamW(
+        raw_model.parameters(), lr=args.learning_rate, betas=(0.9, args.adam_beta2), weight_decay=args.weight_decay
+    )
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(1, args.warmup_steps)))
+    # model: the DDP-wrapped policy for forward/backward (raw_model itself on one process); not the scheduler,
+    # which accelerate would step once per process
+    model, optimizer = accelerator.prepare(raw_model, optimizer)
+    engine = make_engine(args.rollout, raw_model, tokenizer, run.model_path, args.seed + run.rank, run.max_model_len)
+    books = Bookkeeper(
+        run, args, tokenizer, task, engine, {"model": raw_model, "optimizer": optimizer, "scheduler": scheduler}
+    )
+
+    for step in books.steps():
+        t_step = time.time()
+        # 1. prompts for this step: this process's share of the seeded, resumable stream
+        problems, prompt_ids = books.next_prompts()
+
+        # 2. rollout: G samples per prompt from the current policy
+        t0 = time.time()
+        engine.wake()
+        # one seed per prompt from its global position: the same samples on any number of processes and after a resume
+        first_prompt = (args.seed * 1_000_003 + step) * args.prompts_per_step + run.rank * run.local_prompts
+        seeds = [(first_prompt + i) * args.group_size for i in range(run.local_prompts)]
+        completions = engine.generate(
+            prompt_ids, args.group_size, args.max_new_tokens, args.temperature, args.top_p, seeds, stop=task.stop
+        )
+        engine.sleep()
+        rollout_s = time.time() - t0
+
+        # 3. rewards from the verifier
+        t0 = time.time()
+        texts = tokenizer.batch_decode([c.token_ids for c in completions], skip_special_tokens=True)
+        golds = [p["answer"] for p in problems for _ in range(args.group_size)]
+        outputs = compute_rewards(task.train_info.reward_fn, texts, golds)
+        rewards = torch.tensor([o.reward for o in outputs], dtype=torch.float32)
+        correct = torch.tensor([o.correct for o in outputs], dtype=torch.float32)
+        reward_s = time.time() - t0
+
+        # 4. ALGO LOGIC: group-relative advantages (GSPO's, as GRPO's)
+        advantages = compute_advantages(rewards, args.group_size).to(device)
+
+        # 5. tensors: [left-padded prompt | right-padded completion]
+        input_ids, attention_mask, completion_mask, rollout_logprobs = pack_rollout(
+            prompt_ids, completions, args.group_size, tokenizer.pad_token_id, device
+        )
+        completion_width = completion_mask.shape[1]
+
+        # 6. old log-probs (only when the batch is reused, else the detached current ones are exact) and reference ones
+        t0 = time.time()
+        on_policy = args.num_epochs == 1 and args.num_minibatches == 1
+        old_logprobs, ref_logprobs = None, None
+        logprob_args = (
+            input_ids,
+            attention_mask,
+            completion_width,
+            args.temperature,
+            args.micro_batch_size,
+            run.fp32_head,
+        )
+        with torch.no_grad(), autocast():
+            if not on_policy:
+                old_logprobs = token_logprobs_batched(model, *logprob_args)
+            if ref_model is not None:
+                ref_logprobs = token_logprobs_batched(ref_model, *logprob_args)
+        old_logprobs_s = time.time() - t0
+
+        # 7. update: epochs x minibatches x micro-batches, one optimiser step per minibatch
+        t0 = time.time()
+        update_stats: dict[str, list[float]] = {}
+        minibatch_size = batch_size // args.num_minibatches
+        for epoch in range(args.num_epochs):
+            generator = torch.Generator().manual_seed(args.seed * 7919 + step * 31 + epoch)
+            order = torch.randperm(batch_size, generator=generator).to(device)
+            for start in range(0, batch_size, minibatch_size):
+                mb_rows, minibatch_loss = order[start : start + minibatch_size], 0.0
+                mb_rows = mb_rows[attention_mask[mb_rows].sum(-1).argsort(stable=True)]  # similar lengths together
+                for j in range(0, minibatch_size, args.micro_batch_size):
+                    rows = mb_rows[j : j + args.micro_batch_size]
+                    sync = j + args.micro_batch_size >= minibatch_size
+                    with accelerator.no_sync(model) if not sync else contextlib.nullcontext():
+                        with autocast():
+                            logprobs, entropy = token_logprobs(
+                                model,
+                                input_ids[rows],
+                                attention_mask[rows],
+                                completion_width,
+                                args.temperature,
+                                with_entropy=True,
+                                fp32_head=run.fp32_head,
+                            )
+                        old = logprobs.detach() if on_policy else old_logprobs[rows]
+                        loss, loss_stats = policy_loss(
+                            logprobs,
+                            old,
+                            advantages[rows],
+                            completion_mask[rows],
+                            clip_eps_low=args.clip_eps_low,
+                            clip_eps_high=args.clip_eps_high,
+                            token_level=args.gspo_token,
+                            kl_coef=args.kl_coef,
+                            ref_logprobs=None if ref_logprobs is None else ref_logprobs[rows],
+                            num_sequences=minibatch_size,
+                        )
+                        accelerator.backward(loss)
+                    minibatch_loss += loss.item()
+                    loss_stats["entropy"] = masked_mean(entropy, completion_mask[rows])
+                    if epoch == 0 and start == 0:  # sampler vs trainer log-prob gap, on the untouched policy
+                        gap = (logprobs.detach() - rollout_logprobs[rows]).abs()
+                        loss_stats["logprob_gap"] = masked_mean(gap, completion_mask[rows])
+                    for k, v in loss_stats.items():
+                        update_stats.setdefault(k, []).append(v)
+                update_stats.setdefault("loss", []).append(minibatch_loss)
+                grad_norm = accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+                if books.update_is_finite(grad_norm, minibatch_loss, update_stats):
+                    optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad(set_to_none=True)
+                update_stats.setdefault("grad_norm", []).append(float(grad_norm))
+        train_s = time.time() - t0
+
+        # 8. push the new weights into the rollout engine
+        t0 = time.time()
+        engine.update_weights(raw_model)
+        weight_sync_s = time.time() - t0
+
+        # 9. log, then evaluate and checkpoint on their cadence
+        step_log = rollout_stats(rewards, correct, completion_mask, completions, args.group_size)
+        step_log |= {
+            "train/lr": scheduler.get_last_lr()[0],
+            "time/rollout_s": rollout_s,
+            "time/reward_s": reward_s,
+            "time/old_logprobs_s": old_logprobs_s,
+            "time/train_s": train_s,
+            "time/weight_sync_s": weight_sync_s,
+            "time/tokens_per_s": float(completion_mask.sum()) / max(rollout_s, 1e-9),
+            "time/train_tokens_per_s": float(attention_mask.sum()) * args.num_epochs / max(train_s, 1e-9),
+        }
+        samples = sample_rows(problems, texts, golds, rewards, args.group_size, args.log_samples)
+        books.log_step(step + 1, update_stats, step_log, t_step, samples)
+        books.end_step(step + 1)
+
+    books.finish(raw_model)
+
+
+if __name__ == "__main__":
+    main()
