@@ -1,6 +1,6 @@
 """Set-up every script shares: processes, precision, the run folder, models, the task's data and prompts.
 
-    run = start_run(args)                       # flags checked, processes started, precision chosen, seeded
+    run = start_run(args)                       # flags checked, processes started, memory planned, seeded
     task = load_task(args)                      # train and held-out problems, templates, verifier
     tokenizer = load_tokenizer(run.model_path)
     raw_model = load_model(run, gradient_checkpointing=args.gradient_checkpointing)
@@ -29,6 +29,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from common.data import STOP_STRINGS, DatasetInfo, dataset_info, format_prompt, load_problems, resolve_model_path
 from common.evaluate import EvalConfig
+from common.memory import check_memory_plan
 from common.rollout import use_fp32_head
 from common.tracking import latest_checkpoint, seed_everything
 
@@ -93,6 +94,8 @@ def start_run(args) -> Run:
         raise SystemExit(f"{run_dir} already holds a run; pass --resume to continue it or choose another --run-name")
     model_path = resolve_model_path(args.model)
     max_prompt_tokens, max_model_len = context_budget(args, model_path)
+    # --dry-run prints the per-GPU memory plan and exits; a CUDA run that cannot fit stops before any weights load
+    check_memory_plan(args, model_path, max_model_len, world, use_cuda, accelerator.print)
     seed_everything(args.seed + rank)
     device = accelerator.device
     # bf16 matmuls (GPU tensor cores; ~2x faster on CPUs with AVX512-BF16/AMX); weights and optimiser stay fp32

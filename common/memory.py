@@ -1,0 +1,365 @@
+"""The memory planner: what a run needs per GPU, judged before any weights load (``--dry-run``).
+
+    plan = plan_memory(args, model_path, max_model_len, world=1, card_gb=80.0)
+    print(format_plan(plan))          # one line per component, in GB (1e9 bytes), then the verdict
+
+Everything is counted from the model's ``config.json`` (``AutoConfig``; parameters counted on the meta device, tied
+embeddings once) and the run's flags. Per GPU, with P parameters per model:
+
+* trainer state of each trained model (the policy; PPO's critic, PRIME's PRM): fp32 weights 4P, gradients 4P,
+  AdamW moments 8P (16P; with ``--dtype bfloat16`` 2P + 2P + 4P). Under DDP (N > 1 processes) each rank holds a
+  replica, nothing divides, and DDP's gradient buckets add another copy of the gradients.
+* a frozen reference: 4P (2P in bf16); loaded when ``kl_coef > 0``, and always by prime.py.
+* bf16 autocast weight copies: ~2P per trained model (autocast caches the bf16 cast of every weight a matmul uses;
+  the autograd graph holds them until the backward pass). On by default on CUDA (``--mixed-precision auto``).
+* the rollout engine: vLLM takes ``gpu_memory_utilization`` x the card (its bf16 weights and KV cache). With
+  ``--rollout.enable-sleep-mode`` it sleeps during the update (level 1: weights offloaded to host memory, KV cache
+  freed; ``common/vllm_engine.py``); what stays on the GPU (CUDA graphs, workspaces) is assumed to be
+  ``VLLM_ASLEEP_GB``, not measured. The HF engine instead decodes on the trainer's own weights and holds a KV cache
+  for the rows it decodes at once (``--rollout.hf-max-batch``), in the trainer's weight dtype.
+* activations of one micro-batch at the worst-case padded length (``max_model_len`` = prompt budget + token
+  budget): the bytes autograd saves for backward, per token and layer, counted with ``saved_tensors_hooks`` on the
+  project's own log-prob path (``benchmarks/activation_memory.py``; ``tests/test_memory.py`` holds the formula to
+  the measurement): ``34h + 8i + 4·heads + 8 + 2T`` bytes under bf16 autocast (``40h + 16i + 4·heads + 8 + 4T`` in
+  fp32), h the hidden size, i the MLP width, T the padded length (sdpa's attention mask, converted per layer); plus
+  ``12h + 8·head_dim + 12`` outside the layers. With ``--gradient-checkpointing``: each layer's input (4h) plus one
+  layer recomputed at a time in the backward pass.
+* the log-prob head's chunk (``common/logprobs.py``): rows x ``LOGPROB_CHUNK`` positions x vocab fp32 logits and their
+  log-softmax, and in the backward pass their two gradients: 4 such buffers at the peak.
+* ``CUDA_OVERHEAD_GB`` for the CUDA context, cuBLAS/NCCL workspaces and allocator slack.
+
+The peak is the larger of the rollout phase (engine awake; no gradients, activations or autocast copies) and the
+update phase. A plan does not fit when its peak exceeds the card. Nothing algorithmic lives here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib.util
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from common.logprobs import LOGPROB_CHUNK
+
+GB = 1e9  # the planner's unit: decimal gigabytes
+DEFAULT_GPU_GB = 80.0  # the card a plan is judged against when no GPU is seen and --dry-run-gpu-gb is 0
+VLLM_ASLEEP_GB = 2.0  # assumed: what a level-1-asleep vLLM engine keeps on the GPU (CUDA graphs, workspaces)
+CUDA_OVERHEAD_GB = 1.0  # CUDA context, cuBLAS / NCCL workspaces, allocator slack
+MODEL_CONFIGS = Path(__file__).resolve().parent / "model_configs"
+# hub ids whose architecture a folder of common/model_configs holds (config.json only: the planner needs no weights)
+LOCAL_CONFIGS = {
+    "Qwen/Qwen2.5-0.5B": "qwen2.5-0.5b",
+    "Qwen/Qwen2.5-0.5B-Instruct": "qwen2.5-0.5b-instruct",
+    "Qwen/Qwen2.5-1.5B": "qwen2.5-1.5b",
+    "Qwen/Qwen2.5-Math-1.5B": "qwen2.5-math-1.5b",
+    "Qwen/Qwen2.5-7B": "qwen2.5-7b",
+    "Qwen/Qwen2.5-Math-7B": "qwen2.5-math-7b",
+    "PRIME-RL/Eurus-2-7B-SFT": "qwen2.5-math-7b",  # an SFT of Qwen2.5-Math-7B: the same shapes
+    "Qwen/Qwen2.5-32B": "qwen2.5-32b",
+}
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the planner reads from a ``config.json``."""
+
+    params: int  # parameters of the causal LM (tied embeddings counted once)
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    tied: bool
+
+
+@functools.lru_cache(maxsize=32)
+def model_shape(model_path: str) -> ModelShape:
+    """The shape of ``model_path``'s model from its ``config.json`` alone (no weights, no tokenizer).
+
+    Parameters are counted on a model built on the meta device (nothing allocated), so every architecture
+    transformers knows is counted exactly; ``parameters()`` yields a tied embedding once.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_path)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    text = config.get_text_config()
+    heads = text.num_attention_heads
+    return ModelShape(
+        params=sum(p.numel() for p in model.parameters()),
+        hidden=text.hidden_size,
+        intermediate=text.intermediate_size,
+        layers=text.num_hidden_layers,
+        heads=heads,
+        kv_heads=getattr(text, "num_key_value_heads", None) or heads,
+        head_dim=getattr(text, "head_dim", None) or text.hidden_size // heads,
+        vocab=text.vocab_size,
+        tied=bool(getattr(text, "tie_word_embeddings", False)),
+    )
+
+
+def local_config(model: str) -> str | None:
+    """The folder of ``common/model_configs`` that holds ``model``'s architecture (a hub id), or None."""
+    folder = LOCAL_CONFIGS.get(model)
+    return str(MODEL_CONFIGS / folder) if folder else None
+
+
+def layer_bytes_per_token(shape: ModelShape, seq_len: int, bf16: bool) -> int:
+    """Bytes one decoder layer saves for backward per token, the micro-batch padded to ``seq_len`` positions.
+
+    Measured (``benchmarks/activation_memory.py``) for the sdpa attention the scripts use on CUDA:
+    ``34h + 8i + 4·heads + 8 + 2T`` under bf16 autocast (fp32 residual and norms, bf16 casts of each projection's
+    input, q/k/v with k and v expanded to every head, the MLP's three i-wide outputs), ``40h + 16i + 4·heads + 8 + 4T``
+    in fp32. The T term is the attention mask, which sdpa converts to the query dtype in every layer.
+    """
+    h, i = shape.hidden, shape.intermediate
+    if bf16:
+        return 34 * h + 8 * i + 4 * shape.heads + 8 + 2 * seq_len
+    return 40 * h + 16 * i + 4 * shape.heads + 8 + 4 * seq_len
+
+
+def saved_bytes_per_token(shape: ModelShape, seq_len: int, bf16: bool, checkpointing: bool) -> int:
+    """Bytes held for backward per token once the forward is done: every layer's share, plus ``12h + 8·head_dim +
+    12`` outside the layers (the final norm, the head's input, rotary tables, token ids). With checkpointing each
+    layer keeps only its fp32 input (4h), and the rotary tables stay inside the checkpoints."""
+    outside = 12 * shape.hidden + 12
+    if checkpointing:
+        return shape.layers * 4 * shape.hidden + outside
+    return shape.layers * layer_bytes_per_token(shape, seq_len, bf16) + outside + 8 * shape.head_dim
+
+
+def activation_bytes_per_token(shape: ModelShape, seq_len: int, bf16: bool, checkpointing: bool) -> int:
+    """Peak activation bytes per token: what the forward saves, plus, with checkpointing, the one layer the backward
+    pass recomputes at a time."""
+    recomputed = layer_bytes_per_token(shape, seq_len, bf16) + 8 * shape.head_dim if checkpointing else 0
+    return saved_bytes_per_token(shape, seq_len, bf16, checkpointing) + recomputed
+
+
+def logprob_head_bytes(shape: ModelShape, rows: int, completion_len: int) -> float:
+    """Peak of the chunked fp32 log-prob head: 4 buffers of rows x chunk x vocab fp32 (logits, log-softmax, and
+    their gradients in the backward pass; ``common/logprobs.py``)."""
+    return 4 * rows * min(LOGPROB_CHUNK, completion_len) * shape.vocab * 4
+
+
+@dataclass
+class MemoryPlan:
+    """A per-GPU plan: components in bytes, the peak, the card, the verdict and the flags that would make it fit."""
+
+    model: str
+    params: int
+    components: list[tuple[str, float]]  # (label, bytes), in the order printed
+    rollout_peak: float  # bytes while the engine samples
+    update_peak: float  # bytes during the optimiser's forward/backward
+    card: float  # bytes the plan is judged against
+    trainer_state: float  # trained models' state plus frozen copies: what sharding would have to divide
+    world: int = 1
+    fixes: list[str] = field(default_factory=list)
+
+    @property
+    def peak(self) -> float:
+        return max(self.rollout_peak, self.update_peak)
+
+    @property
+    def fits(self) -> bool:
+        return self.peak <= self.card
+
+    @property
+    def needs_sharding(self) -> bool:
+        return self.trainer_state + CUDA_OVERHEAD_GB * GB > self.card
+
+    @property
+    def verdict(self) -> str:
+        """One line, the form documented commands quote after ``# planner:``."""
+        card, peak = f"{self.card / GB:.0f} GB", f"{self.peak / GB:.1f} GB per GPU"
+        if self.fits:
+            return f"fits on {card}: {peak}"
+        if self.needs_sharding:
+            return f"needs FSDP2 sharding (not supported yet) on {card}: {peak}"
+        return f"does not fit on {card}: {peak}"
+
+
+def trained_models(args) -> tuple[int, bool]:
+    """(number of trained copies of the base model, whether a frozen reference loads), read from a script's Args:
+    a critic (``critic_learning_rate``, ppo.py) or an implicit PRM (``prm_learning_rate``, prime.py, which always
+    loads the reference) is a trained copy; the others load a reference only when ``kl_coef > 0``."""
+    critic = hasattr(args, "critic_learning_rate")
+    prm = hasattr(args, "prm_learning_rate")
+    return 1 + critic + prm, prm or getattr(args, "kl_coef", 0.0) > 0
+
+
+def resolve_backend(args, on_gpu: bool) -> str:
+    """The rollout engine the planned run builds. 'auto': on a CUDA machine, vLLM where vllm is installed
+    (requirements-gpu.txt), else the HF engine; planned from a machine without a GPU (``--dry-run`` on a laptop),
+    the GPU install's vLLM."""
+    if args.rollout.backend != "auto":
+        return args.rollout.backend
+    return "vllm" if not on_gpu or importlib.util.find_spec("vllm") is not None else "hf"
+
+
+def plan_memory(
+    args,
+    model_path: str,
+    max_model_len: int,
+    world: int = 1,
+    card_gb: float = DEFAULT_GPU_GB,
+    backend: str | None = None,
+    with_fixes: bool = True,
+) -> MemoryPlan:
+    """The per-GPU plan of a run of ``args`` (a script's Args) on ``world`` processes, judged against ``card_gb``.
+
+    ``max_model_len`` is the run's padded length (``context_budget``: prompt budget + token budget);
+    ``backend`` the rollout engine ('vllm' or 'hf'; None resolves ``--rollout.backend``).
+    """
+    shape = model_shape(model_path)
+    backend = backend or resolve_backend(args, torch.cuda.is_available())
+    p, card = shape.params, card_gb * GB
+    bf16_weights = args.dtype == "bfloat16"
+    autocast = args.mixed_precision != "no" and not bf16_weights
+    wbytes = 2 if bf16_weights else 4
+    n_trained, has_ref = trained_models(args)
+    rows = min(args.micro_batch_size, args.prompts_per_step // world * args.group_size)
+    completion = min(args.max_new_tokens, max_model_len)  # the widest completion a micro-batch can hold
+    components = [
+        (f"weights ({n_trained} trained model(s), {wbytes} B/param)", n_trained * wbytes * p),
+        ("gradients", n_trained * wbytes * p),
+        ("AdamW moments", n_trained * 2 * wbytes * p),
+    ]
+    if world > 1:
+        components.append((f"DDP gradient buckets ({world} processes, each a replica)", n_trained * wbytes * p))
+    components.append(("frozen reference", wbytes * p if has_ref else 0.0))
+    trainer_state = sum(b for _, b in components)
+    copies = n_trained * 2 * p if autocast else 0.0
+    components.append(("bf16 autocast weight copies", copies))
+    act = rows * max_model_len * activation_bytes_per_token(shape, max_model_len, autocast or bf16_weights, False)
+    act_ckpt = rows * max_model_len * activation_bytes_per_token(shape, max_model_len, autocast or bf16_weights, True)
+    components.append((f"activations without checkpointing ({rows} rows x {max_model_len} tokens)", act))
+    components.append(("activations with --gradient-checkpointing", act_ckpt))
+    head = logprob_head_bytes(shape, rows, completion)
+    components.append(
+        (f"log-prob head chunk ({rows} x {min(LOGPROB_CHUNK, completion)} x {shape.vocab} fp32 x 4)", head)
+    )
+    used_act = act_ckpt if args.gradient_checkpointing else act
+    if backend == "vllm":
+        share = args.rollout.gpu_memory_utilization * card
+        asleep = min(share, VLLM_ASLEEP_GB * GB) if args.rollout.enable_sleep_mode else share
+        components.append((f"vLLM share ({args.rollout.gpu_memory_utilization:g} x {card_gb:g} GB)", share))
+        if args.rollout.enable_sleep_mode:
+            components.append(("vLLM asleep during the update (assumed)", asleep))
+        rollout_engine, update_engine = share, asleep
+    else:
+        decoded = min(max(1, args.rollout.hf_max_batch // args.group_size), args.prompts_per_step // world)
+        kv = decoded * args.group_size * max_model_len * shape.layers * 2 * shape.kv_heads * shape.head_dim * wbytes
+        components.append((f"HF engine KV cache ({decoded * args.group_size} rows)", kv))
+        rollout_engine, update_engine = kv, 0.0
+    overhead = CUDA_OVERHEAD_GB * GB
+    components.append(("CUDA context and workspaces", overhead))
+    resident = n_trained * 3 * wbytes * p + (wbytes * p if has_ref else 0.0) + overhead  # weights, moments, ref
+    rollout_peak = resident + rollout_engine
+    update_peak = trainer_state + overhead + copies + used_act + head + update_engine
+    plan = MemoryPlan(
+        model=model_path,
+        params=p,
+        components=components,
+        rollout_peak=rollout_peak,
+        update_peak=update_peak,
+        card=card,
+        trainer_state=trainer_state,
+        world=world,
+    )
+    if with_fixes and not plan.fits:
+        plan.fixes = suggest_fixes(args, model_path, max_model_len, world, card_gb, backend, plan)
+    return plan
+
+
+def suggest_fixes(args, model_path, max_model_len, world, card_gb, backend, plan: MemoryPlan) -> list[str]:
+    """Flag sets that make a failing plan fit (fewest changes first, then the largest micro-batch), or sharding."""
+    if plan.needs_sharding:
+        return [
+            f"trainer state alone ({plan.trainer_state / GB:.1f} GB per GPU) exceeds the card: needs sharding "
+            "(FSDP2, not supported yet), a larger GPU, or a smaller model"
+        ]
+    halvings = lambda n, low: [n >> k for k in range(n.bit_length()) if n >> k >= low]  # noqa: E731
+    if backend == "vllm":
+        engine = [{}] if args.rollout.enable_sleep_mode else [{}, {"enable_sleep_mode": True}]
+    else:
+        engine = [{}] + [{"hf_max_batch": n} for n in halvings(args.rollout.hf_max_batch, args.group_size)[1:]]
+    ckpt = [{}] if args.gradient_checkpointing else [{}, {"gradient_checkpointing": True}]
+    micro = [{}] + [{"micro_batch_size": n} for n in halvings(args.micro_batch_size, 1)[1:]]
+    candidates = [e | c | m for e in engine for c in ckpt for m in micro if e | c | m]
+    candidates.sort(key=lambda ch: (len(ch), -ch.get("micro_batch_size", args.micro_batch_size)))
+    found: list[dict] = []
+    for changes in candidates:
+        if any(f.items() <= changes.items() or set(f) == set(changes) for f in found):
+            continue  # a simpler (or same-flag) set already fits
+        if plan_memory(_with(args, **changes), model_path, max_model_len, world, card_gb, backend, False).fits:
+            found.append(changes)
+        if len(found) == 3:
+            break
+    fixes = [" ".join(_flag(k, v) for k, v in f.items()) for f in found]
+    if backend == "vllm":  # a smaller engine: its bf16 weights plus a GB of KV cache must still fit in it
+        low = (2 * plan.params + GB) / (card_gb * GB)
+        for util in (0.3, 0.25, 0.2, 0.15, 0.1):
+            if low <= util < args.rollout.gpu_memory_utilization:
+                trial = _with(args, gpu_memory_utilization=util)
+                if plan_memory(trial, model_path, max_model_len, world, card_gb, backend, False).fits:
+                    fixes.append(_flag("gpu_memory_utilization", util))
+                    break
+    return fixes or ["a larger GPU (no combination of micro-batch size, checkpointing and engine settings fits)"]
+
+
+ROLLOUT_FIELDS = ("enable_sleep_mode", "gpu_memory_utilization", "hf_max_batch")
+
+
+def _flag(name: str, value) -> str:
+    flag = ("--rollout." if name in ROLLOUT_FIELDS else "--") + name.replace("_", "-")
+    return flag if value is True else f"{flag} {value}"
+
+
+def _with(args, **changes):
+    """A copy of ``args`` with some fields (rollout ones included) replaced."""
+    rollout = {k: changes.pop(k) for k in ROLLOUT_FIELDS if k in changes}
+    return dataclasses.replace(args, rollout=dataclasses.replace(args.rollout, **rollout), **changes)
+
+
+def format_plan(plan: MemoryPlan) -> str:
+    """The table ``--dry-run`` prints: one line per component in GB, the two phases, the verdict, the fixes."""
+    lines = [f"memory plan per GPU for {plan.model} ({plan.params / 1e9:.3f} B parameters)"]
+    lines += [f"  {label:<72} {b / GB:8.1f} GB" for label, b in plan.components]
+    lines.append(f"  {'peak while sampling':<72} {plan.rollout_peak / GB:8.1f} GB")
+    lines.append(f"  {'peak during the update':<72} {plan.update_peak / GB:8.1f} GB")
+    lines.append(f"planner: {plan.verdict}")
+    lines += [f"  would fit with: {fix}" for fix in plan.fixes]
+    return "\n".join(lines)
+
+
+def gpu_gb(args) -> float:
+    """The card a plan is judged against: ``--dry-run-gpu-gb``, else the GPU seen, else ``DEFAULT_GPU_GB``."""
+    if args.dry_run_gpu_gb > 0:
+        return args.dry_run_gpu_gb
+    if torch.cuda.is_available():
+        return torch.cuda.mem_get_info()[1] / GB
+    return DEFAULT_GPU_GB
+
+
+def check_memory_plan(args, model_path: str, max_model_len: int, world: int, on_gpu: bool, print_fn=print) -> None:
+    """``--dry-run``: print the plan and exit 0. A CUDA run whose plan does not fit stops here, before any weights
+    load, naming the flags that would make it fit (``--ignore-memory-plan`` lets it go on). CPU runs are not
+    planned (host memory is not what this guards) and cost nothing here."""
+    if not args.dry_run and not on_gpu:
+        return
+    backend = resolve_backend(args, torch.cuda.is_available())
+    plan = plan_memory(args, model_path, max_model_len, world, gpu_gb(args), backend)
+    if args.dry_run:
+        print_fn(format_plan(plan))
+        raise SystemExit(0)
+    if not plan.fits and not args.ignore_memory_plan:
+        raise SystemExit(
+            format_plan(plan) + "\nthe plan does not fit this GPU: change the flags above, or pass "
+            "--ignore-memory-plan to run anyway"
+        )
