@@ -1,0 +1,357 @@
+"""One command that checks the GPU path on a GPU: the scripts on CUDA, then measured memory and throughput.
+
+    python benchmarks/gpu_check.py              # on a CUDA machine (about 10 minutes on one H100), no network, no vLLM
+    python benchmarks/gpu_check.py --smoke      # the same code on the CPU with tiny shapes (CI, under 2 minutes)
+
+Sections, each written to disk as soon as it is measured (a cut-off run keeps what it measured):
+  scripts   every algos/*.py for 5 steps on the shipped tiny model (HF engine, default precision), then a resume
+            to step 6: exit code, finite metrics, weights moved, a checkpoint, the resume message, peak GPU memory
+  learner   random-weight Qwen2.5 shapes from common/model_configs/ (no download): a forward + backward through
+            the project's own log-prob path (common.logprobs.token_logprobs, fp32 chunked head at the real
+            vocabulary, bf16 autocast over fp32 weights as the scripts train) and an AdamW step, over micro-batch
+            size x sequence length x gradient checkpointing: peak memory, learner tokens/s, model-FLOPs utilisation
+  generate  HFEngine decode tokens/s on the 0.5B shape
+Beside every learner row, the memory planner's prediction for the same shape and the measured/predicted ratio.
+
+Outputs (``--out``, default benchmarks/results/gpu/, or runs/gpu_check_smoke/ with --smoke): results.json (device,
+driver, torch and CUDA versions, date, commit, every record) and results.md (the same as tables).
+The machine needs this repo's requirements except vLLM: `bash scripts/gpu_check_wheels.sh` downloads the wheels an
+offline GPU machine lacks and prints the one command that installs them there and runs this check.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from common.logprobs import token_logprobs  # noqa: E402
+from common.rollout import HFEngine  # noqa: E402
+
+CONFIGS = REPO / "common" / "model_configs"
+# bf16 dense peak of the GPUs this check is meant for (TFLOP/s); MFU is left out on others
+PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}
+SMOKE_CONFIG = {  # a tiny Qwen2 shape for the CPU smoke run
+    "architectures": ["Qwen2ForCausalLM"],
+    "model_type": "qwen2",
+    "hidden_size": 64,
+    "intermediate_size": 176,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 1024,
+    "max_position_embeddings": 512,
+    "tie_word_embeddings": True,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0,
+}
+
+
+class Report:
+    """Records appended one at a time, rewritten to results.json and results.md after each one."""
+
+    def __init__(self, out: Path, smoke: bool):
+        self.out, self.records = out, []
+        out.mkdir(parents=True, exist_ok=True)
+        self.env = environment(smoke)
+
+    def add(self, section: str, **record) -> None:
+        self.records.append({"section": section, **record})
+        (self.out / "results.json").write_text(json.dumps({"env": self.env, "records": self.records}, indent=1))
+        (self.out / "results.md").write_text(markdown(self.env, self.records))
+        shown = {k: v for k, v in record.items() if k not in ("error",)}
+        print(
+            f"[{section}] "
+            + json.dumps(shown, default=str)
+            + (f"  ERROR {record['error']}" if "error" in record else "")
+        )
+
+
+def environment(smoke: bool) -> dict:
+    cuda = torch.cuda.is_available()
+    driver = ""
+    if cuda:
+        try:
+            query = ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"]
+            driver = subprocess.run(query, capture_output=True, text=True, timeout=30).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            driver = "unknown"
+    commit = subprocess.run(["git", "rev-parse", "--short=10", "HEAD"], cwd=REPO, capture_output=True, text=True)
+    return {
+        "device": torch.cuda.get_device_name() if cuda else f"CPU ({platform.processor() or platform.machine()})",
+        "gpu_memory_gb": torch.cuda.get_device_properties(0).total_memory / 1e9 if cuda else None,
+        "driver": driver,
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "python": platform.python_version(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "commit": commit.stdout.strip(),
+        "smoke": smoke,
+    }
+
+
+def markdown(env: dict, records: list[dict]) -> str:
+    lines = [
+        "# GPU check",
+        "",
+        f"Device: {env['device']}; driver {env['driver'] or '–'}; torch {env['torch']}; CUDA {env['cuda']}; "
+        f"Python {env['python']}; {env['date']}; commit {env['commit']}"
+        + ("; **smoke run on the CPU: no GPU figure here**" if env["smoke"] else ""),
+        "",
+        "Regenerate: `python benchmarks/gpu_check.py` (see its docstring).",
+    ]
+    tables = {
+        "scripts": ("script", "ok", "steps", "wall_s", "s_per_step", "peak_gpu_gb", "error"),
+        "learner": (
+            "model",
+            "params_b",
+            "micro_batch",
+            "seq_len",
+            "checkpointing",
+            "peak_gb",
+            "planned_gb",
+            "ratio",
+            "tokens_per_s",
+            "mfu",
+            "error",
+        ),
+        "generate": ("model", "prompts", "samples", "new_tokens", "tokens_per_s", "error"),
+    }
+    for section, columns in tables.items():
+        rows = [r for r in records if r["section"] == section]
+        if not rows:
+            continue
+        lines += ["", f"## {section}", "", "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+        for r in rows:
+            lines.append("| " + " | ".join(cell(r.get(c)) for c in columns) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def cell(value) -> str:
+    if value is None:
+        return "–"
+    if isinstance(value, float):
+        return f"{value:.3g}" if abs(value) < 1000 else f"{value:.0f}"
+    return str(value).replace("|", "/").replace("\n", " ")[:120]
+
+
+# ----------------------------------------------------------------------------------------------
+# 1. every script on the tiny model
+# ----------------------------------------------------------------------------------------------
+def check_scripts(report: Report, scripts: list[str], steps: int, workdir: Path) -> None:
+    from safetensors.torch import load_file
+
+    base = load_file(REPO / "common" / "tiny_model" / "model.safetensors")
+    small = (
+        "--prompts-per-step 8 --group-size 4 --max-new-tokens 32 --eval.max-problems 16 --eval.n 2 --eval.k 1 2 "
+        f"--eval-every 100 --save-every {steps}"
+    ).split()
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled", "PYTHONPATH": str(REPO)}
+    for script in scripts:
+        t0 = time.time()
+        cmd = [sys.executable, str(REPO / "algos" / f"{script}.py"), "--output-dir", str(workdir), "--run-name", script]
+        cmd += ["--rollout.backend", "hf", *small]
+        first = subprocess.run([*cmd, "--total-steps", str(steps)], capture_output=True, text=True, env=env)
+        resumed = None
+        if first.returncode == 0:
+            resumed = subprocess.run(
+                [*cmd, "--total-steps", str(steps + 1), "--resume"], capture_output=True, text=True, env=env
+            )
+        run_dir = workdir / script
+        problems = []
+        if first.returncode != 0:
+            problems.append(f"exit {first.returncode}: {first.stderr.strip()[-400:]}")
+        elif resumed.returncode != 0:
+            problems.append(f"resume exit {resumed.returncode}: {resumed.stderr.strip()[-400:]}")
+        elif "resumed from" not in resumed.stdout + resumed.stderr:
+            problems.append("the resume did not load the checkpoint")
+        rows, train = [], []
+        if (run_dir / "metrics.jsonl").exists():
+            rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+            train = [r for r in rows if "train/reward" in r]
+        if not problems:
+            if [r["step"] for r in train] != list(range(1, steps + 2)):
+                problems.append(f"logged steps {[r['step'] for r in train]}")
+            if any(isinstance(v, float) and not math.isfinite(v) for r in rows for v in r.values()):
+                problems.append("non-finite metric")
+            if not list((run_dir / "checkpoints").glob("step_*")):
+                problems.append("no checkpoint")
+            trained = load_file(run_dir / "final" / "model.safetensors")
+            if not any((trained[k].float() - base[k].float()).abs().max() > 0 for k in base):
+                problems.append("weights did not move")
+            if not all(torch.isfinite(v).all() for v in trained.values()):
+                problems.append("non-finite weights")
+        step_times = sorted(r["time/step_s"] for r in train if "time/step_s" in r)
+        report.add(
+            "scripts",
+            script=script,
+            ok=not problems,
+            steps=len(train),
+            wall_s=round(time.time() - t0, 1),
+            s_per_step=step_times[len(step_times) // 2] if step_times else None,
+            peak_gpu_gb=max((r.get("memory/peak_gpu_gb", 0.0) for r in train), default=None) or None,
+            **({"error": "; ".join(problems)} if problems else {}),
+        )
+
+
+# ----------------------------------------------------------------------------------------------
+# 2. learner memory and throughput on Qwen2.5 shapes
+# ----------------------------------------------------------------------------------------------
+def load_config(name: str, smoke: bool):
+    from transformers import AutoConfig, Qwen2Config
+
+    if smoke:
+        return Qwen2Config(**{k: v for k, v in SMOKE_CONFIG.items() if k not in ("architectures", "model_type")})
+    return AutoConfig.from_pretrained(CONFIGS / name)
+
+
+def planned_gb(config, micro_batch: int, seq_len: int, checkpointing: bool) -> float | None:
+    """The memory planner's prediction for this learner probe (trainer state + bf16 copies + activations + head)."""
+    try:
+        from common import memory
+    except ImportError:
+        return None
+    predict = getattr(memory, "learner_peak_bytes", None)
+    if predict is None:
+        return None
+    return predict(config, micro_batch=micro_batch, seq_len=seq_len, gradient_checkpointing=checkpointing) / 1e9
+
+
+def check_learner(report: Report, names: list[str], grid: list[tuple[int, int, bool]], smoke: bool) -> None:
+    from transformers import AutoModelForCausalLM
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    peak_tflops = next((v for k, v in PEAK_BF16_TFLOPS.items() if k in report.env["device"]), None)
+    for name in names:
+        config = load_config(name, smoke)
+        for micro_batch, seq_len, checkpointing in grid:
+            record = {"model": name, "micro_batch": micro_batch, "seq_len": seq_len, "checkpointing": checkpointing}
+            record["planned_gb"] = planned_gb(config, micro_batch, seq_len, checkpointing)
+            model = optimizer = None
+            try:
+                with device:  # random weights built on the device: a 7B init on the host would take minutes
+                    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
+                params = sum(p.numel() for p in model.parameters())
+                record["params_b"] = params / 1e9
+                if checkpointing:
+                    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+                model.train()
+                optimizer = torch.optim.AdamW(model.parameters(), lr=1e-7)
+                generator = torch.Generator(device=device).manual_seed(0)
+                input_ids = torch.randint(
+                    0, config.vocab_size, (micro_batch, seq_len), generator=generator, device=device
+                )
+                attention_mask = torch.ones_like(input_ids)
+                completion = seq_len - min(512, seq_len // 4)  # a prompt of up to 512 tokens, the rest completion
+                times = []
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+                    torch.cuda.reset_peak_memory_stats()
+                for _ in range(3):  # the first step allocates AdamW's moments; time the later ones
+                    if device.type == "cuda":
+                        torch.cuda.synchronize()
+                    t0 = time.time()
+                    with torch.autocast(device.type, dtype=torch.bfloat16):
+                        logprobs, _ = token_logprobs(model, input_ids, attention_mask, completion, 1.0, fp32_head=True)
+                    loss = -logprobs.mean()
+                    loss.backward()
+                    if device.type == "cuda":
+                        torch.cuda.synchronize()
+                    times.append(time.time() - t0)
+                    optimizer.step()
+                    optimizer.zero_grad(set_to_none=True)
+                if device.type == "cuda":
+                    record["peak_gb"] = torch.cuda.max_memory_allocated() / 1e9
+                seconds = min(times[1:])
+                tokens = micro_batch * seq_len
+                record["tokens_per_s"] = tokens / seconds
+                # 6 N T for the dense matmuls (x 4/3 with recomputation) + 12 L H S T for attention scores and values
+                flops = (8 if checkpointing else 6) * params * tokens
+                flops += 12 * config.num_hidden_layers * config.hidden_size * seq_len * tokens
+                if peak_tflops:
+                    record["mfu"] = flops / seconds / (peak_tflops * 1e12)
+                if record.get("peak_gb") and record["planned_gb"]:
+                    record["ratio"] = record["peak_gb"] / record["planned_gb"]
+            except torch.OutOfMemoryError as exc:  # a measurement too: the planner should say it does not fit
+                record["error"] = "OOM: " + str(exc).split("\n")[0][:200]
+            finally:
+                del model, optimizer
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+            report.add("learner", **record)
+
+
+def check_generation(report: Report, name: str, smoke: bool) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    config = load_config(name, smoke)
+    prompts, samples, new_tokens = (4, 2, 16) if smoke else (16, 8, 256)
+    record = {"model": name, "prompts": prompts, "samples": samples, "new_tokens": new_tokens}
+    try:
+        with device:
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa")
+        model.generation_config.eos_token_id = config.vocab_size - 1  # random weights: a stop that rarely comes
+        tokenizer = AutoTokenizer.from_pretrained(REPO / "common" / "tiny_model")  # only its pad id is used
+        tokenizer.pad_token_id = 0
+        engine = HFEngine(model, tokenizer)
+        generator = torch.Generator().manual_seed(0)
+        prompt_ids = torch.randint(1, config.vocab_size - 1, (prompts, 128), generator=generator).tolist()
+        engine.generate(prompt_ids[:1], 1, 4, 1.0, 1.0, seed=0)  # warm-up
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.time()
+        completions = engine.generate(prompt_ids, samples, new_tokens, 1.0, 1.0, seed=1)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        record["tokens_per_s"] = sum(len(c.token_ids) for c in completions) / (time.time() - t0)
+    except torch.OutOfMemoryError as exc:
+        record["error"] = "OOM: " + str(exc).split("\n")[0][:200]
+    report.add("generate", **record)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--smoke", action="store_true", help="CPU, tiny shapes, two scripts (what CI runs)")
+    parser.add_argument("--out", default="", help="output folder (default benchmarks/results/gpu, or runs/ for smoke)")
+    parser.add_argument("--sections", nargs="+", default=["scripts", "learner", "generate"])
+    args = parser.parse_args()
+    if not args.smoke and not torch.cuda.is_available():
+        raise SystemExit("no CUDA device: run on a GPU machine, or pass --smoke for the CPU check")
+    out = Path(args.out or (REPO / ("runs/gpu_check_smoke" if args.smoke else "benchmarks/results/gpu")))
+    report = Report(out, args.smoke)
+    print(f"gpu_check: {report.env['device']}, torch {report.env['torch']}, CUDA {report.env['cuda']} -> {out}")
+    if "scripts" in args.sections:
+        scripts = ["grpo", "ppo"] if args.smoke else sorted(p.stem for p in (REPO / "algos").glob("*.py"))
+        with tempfile.TemporaryDirectory() as workdir:
+            check_scripts(report, scripts, steps=2 if args.smoke else 5, workdir=Path(workdir))
+    if "learner" in args.sections:
+        if args.smoke:
+            check_learner(report, ["smoke"], [(2, 64, False), (2, 64, True)], smoke=True)
+        else:
+            grid = [(mb, seq, ckpt) for mb in (1, 4) for seq in (1024, 4096) for ckpt in (False, True)]
+            check_learner(report, ["qwen2.5-0.5b", "qwen2.5-1.5b"], grid, smoke=False)
+            check_learner(report, ["qwen2.5-7b"], [(1, 1024, True), (1, 4096, True)], smoke=False)
+    if "generate" in args.sections:
+        check_generation(report, "smoke" if args.smoke else "qwen2.5-0.5b", smoke=args.smoke)
+    failed = [r for r in report.records if r["section"] == "scripts" and not r["ok"]]
+    print(f"wrote {out}/results.json and results.md; {len(failed)} script check(s) failed")
+    if failed:
+        raise SystemExit(1)
+
+
+if __name__ == "__main__":
+    main()
