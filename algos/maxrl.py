@@ -27,10 +27,12 @@ Relative to grpo.py this file changes:
 CPU, offline (the defaults: the shipped tiny model on the synthetic `arith` task, 16 prompts x 16 samples):
     python algos/maxrl.py
 GPU, the paper's Qwen3 setting (Qwen3-1.7B/4B-Base on POLARIS-53K, exported as a jsonl of prompt/answer):
+    # planner: not planned (no local config for Qwen/Qwen3-4B-Base)
     accelerate launch --num_processes 8 algos/maxrl.py --model Qwen/Qwen3-4B-Base --dataset jsonl:polaris53k.jsonl \
         --template qwen-math --rollout.backend vllm --learning-rate 1e-6 --max-grad-norm 0.3 --max-new-tokens 4096 \
         --prompts-per-step 256 --group-size 16 --micro-batch-size 8 --total-steps 1000 --eval.dataset aime25 --track
 GPU, the paper's small-model setting (SmolLM2-360M-Instruct on GSM8K, 128 samples per prompt):
+    # planner: not planned (no local config for HuggingFaceTB/SmolLM2-360M-Instruct)
     accelerate launch --num_processes 8 algos/maxrl.py --model HuggingFaceTB/SmolLM2-360M-Instruct --dataset gsm8k \
         --rollout.backend vllm --learning-rate 1e-5 --max-new-tokens 2048 --prompts-per-step 256 --group-size 128 \
         --micro-batch-size 16 --total-steps 1500 --track

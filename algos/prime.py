@@ -16,26 +16,23 @@ reference π_ref (the base model). For each prompt q, sample K completions y^1..
     policy loss     L = Σ_{i,t} -min(ρ_t A_t, clip(ρ_t, 1-ε, 1+ε) A_t) / Σ_{i,t} 1            PPO clip, token mean
 
 Relative to grpo.py this file changes:
-  - a third model: the implicit PRM, a trained copy of the base model with its own AdamW (constant lr), updated
-    every step on the current rollouts with the BCE loss above; the reference is always loaded (for the PRM)
-  - per-token advantages: leave-one-out returns of the implicit process rewards plus RLOO of the outcome reward,
-    summed and batch-whitened (replaces the group z-score); the process rewards are first scaled as PRIME's code does
-    (`prime_norm: batch_norm`; --process-reward-norm none: the paper's unscaled rewards)
-  - online prompt filtering: groups with accuracy outside [0.2, 0.8] are dropped and refilled from the data
-    stream for a bounded number of rounds (the surplus is discarded, not buffered as in PRIME's code)
+  - a third model: the implicit PRM, a trained copy of the base model with its own AdamW (constant lr), updated every
+    step on the current rollouts with the BCE loss above; the reference is always loaded (for the PRM)
+  - per-token advantages: leave-one-out returns of the implicit process rewards plus RLOO of the outcome reward, summed
+    and batch-whitened (replaces the group z-score); process rewards scaled as PRIME's code (`prime_norm: batch_norm`)
+  - online prompt filtering: groups with accuracy outside [0.2, 0.8] are dropped and refilled from the data stream
+    for a bounded number of rounds (the surplus is discarded, not buffered as in PRIME's code)
   - token-mean aggregation over the optimiser mini-batch (PRIME's masked_mean) instead of the per-sequence mean
   - no KL by default (kl_coef = 0, as PRIME); logs the PRM loss and its within-group ranking accuracy
 
 CPU, offline (the defaults: the shipped tiny model on the synthetic `arith` task):
     python algos/prime.py
-GPU, one process (PRIME's run script: policy lr 5e-7, PRM lr 1e-6, 256 prompts x 4 samples, responses up to
-3072 tokens, PPO mini-batches of 256 responses, i.e. 4 policy and PRM steps per batch):
-    python algos/prime.py --model PRIME-RL/Eurus-2-7B-SFT --dataset eurus2-rl --template qwen-math \
+GPU (PRIME's run script: policy lr 5e-7, PRM lr 1e-6, 256 prompts x 4, 3072 tokens, 4 policy/PRM steps per batch):
+    # planner: needs FSDP2 sharding (not supported yet) on 80 GB: 580.2 GB per GPU
+    python algos/prime.py --model PRIME-RL/Eurus-2-7B-SFT --dataset eurus2-rl --template qwen-math --track \
         --rollout.backend vllm --learning-rate 5e-7 --prm-learning-rate 1e-6 --warmup-steps 0 --group-size 4 \
-        --prompts-per-step 256 --max-new-tokens 3072 --num-minibatches 4 --micro-batch-size 8 \
-        --eval.dataset math500 --track
-GPU, several processes (each rank its own colocated engine; a prompt's group stays on one rank):
-    accelerate launch --num_processes 8 algos/prime.py <the flags above>
+        --prompts-per-step 256 --max-new-tokens 3072 --num-minibatches 4 --micro-batch-size 8 --eval.dataset math500
+    accelerate launch --num_processes 8 algos/prime.py <the flags above>  (one colocated engine per rank)
 """
 
 from __future__ import annotations
@@ -196,8 +193,7 @@ def prm_loss(
     """Implicit-PRM cross-entropy BCE(σ(β Σ_t (log π_φ - log π_ref)), correct), summed, divided by ``num_sequences``.
 
     prm_logprobs (B,T) with grad; ref_logprobs (B,T) detached; correct (B,) in {0,1}. ``num_sequences`` is the
-    size of the PRM's optimiser mini-batch (default B), so micro-batches accumulate to the mini-batch mean.
-    """
+    size of the PRM's optimiser mini-batch (default B), so micro-batches accumulate to the mini-batch mean."""
     seq_reward = beta * ((prm_logprobs - ref_logprobs) * mask.float()).sum(-1)
     bce = torch.nn.functional.binary_cross_entropy_with_logits(seq_reward, correct.float(), reduction="sum")
     return bce / (num_sequences or prm_logprobs.shape[0])
@@ -214,8 +210,7 @@ def prm_ranking_accuracy(seq_rewards: torch.Tensor, correct: torch.Tensor, group
 def masked_whiten(x: torch.Tensor, mask: torch.Tensor, all_reduce=None, eps: float = 1e-8) -> torch.Tensor:
     """(x - mean) / sqrt(var + eps) over the masked entries, sample variance (verl's masked_whiten); 0 on padding.
 
-    ``all_reduce`` sums a tensor over processes (None = this process only), so the statistics are the batch's.
-    """
+    ``all_reduce`` sums a tensor over processes (None = this process only), so the statistics are the batch's."""
     mask = mask.float()
     reduce = all_reduce or (lambda t: t)
     total, count = reduce(torch.stack([(x * mask).sum(), mask.sum()])).unbind()
@@ -232,8 +227,7 @@ def compute_advantages(
     outcome_rewards (B,), process_rewards (B,T) (0 on padding), mask (B,T) right-padded; prompt i's group in
     rows i*K .. i*K+K-1. Process: every token reward minus the mean over the group's OTHER responses of their
     mean token reward, then the return Σ_{s>=t} (γ = 1). Outcome: R_i - mean_{j≠i} R_j on the last token, whose
-    γ = 1 return is the same at every token. The sum is whitened over all valid tokens (and processes).
-    """
+    γ = 1 return is the same at every token. The sum is whitened over all valid tokens (and processes)."""
     if group_size < 2:
         raise ValueError(f"PRIME needs group_size >= 2 to form a leave-one-out baseline, got {group_size}")
     if outcome_rewards.numel() % group_size:

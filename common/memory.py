@@ -59,6 +59,7 @@ LOCAL_CONFIGS = {
     "Qwen/Qwen2.5-Math-7B": "qwen2.5-math-7b",
     "PRIME-RL/Eurus-2-7B-SFT": "qwen2.5-math-7b",  # an SFT of Qwen2.5-Math-7B: the same shapes
     "Qwen/Qwen2.5-32B": "qwen2.5-32b",
+    "Elliott/Qwen2.5-Math-7B-16k-think": "qwen2.5-math-7b-16k",  # Qwen2.5-Math-7B shapes, 16k positions
 }
 
 

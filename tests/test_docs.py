@@ -101,10 +101,11 @@ def fenced_commands(text: str) -> list[str]:
 
 
 def docstring_commands(path: Path) -> list[str]:
-    """Indented ``python algos/...`` / ``accelerate launch ...`` lines of a script's module docstring, joined."""
+    """Indented ``python algos/...`` / ``accelerate launch ...`` lines of a script's module docstring, joined, each
+    after the ``# planner: ...`` line that annotates it, if any (``annotated_commands`` pairs them)."""
     doc = ast.get_docstring(ast.parse(path.read_text())) or ""
     joined = re.sub(r"\\\n\s*", " ", doc)
-    return [line.strip() for line in joined.splitlines() if re.match(r"\s+(python|accelerate) ", line)]
+    return [line.strip() for line in joined.splitlines() if re.match(r"\s+(python |accelerate |# planner:)", line)]
 
 
 def load_evaluate():
@@ -198,3 +199,104 @@ def test_benchmark_suite_flags_parse(suite, tmp_path):
                 tyro.cli(eval_args, args=flags)
             except SystemExit:
                 pytest.fail(f"suites/{suite}.toml final_eval_flags do not parse for common.evaluate: {flags}")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# every GPU command carries the memory planner's verdict for the hardware it names
+PLANNER_LINE = re.compile(
+    r"# planner: (?:(?P<verdict>fits|does not fit|needs FSDP2 sharding \(not supported yet\)) on (?P<card>\d+) GB: "
+    r"(?P<gb>[\d.]+) GB per GPU(?: \(fits with [^()]+\))?|not planned \(no local config for (?P<model>\S+)\))"
+)
+
+
+def annotated_commands(lines: list[str]) -> list[tuple[str | None, str]]:
+    """(the ``# planner: ...`` line right above a command or None, the command) for every command line."""
+    pairs, note = [], None
+    for line in lines:
+        if line.startswith("# planner:"):
+            note = line
+        elif not line.startswith("#"):
+            pairs.append((note, line))
+            note = None
+    return pairs
+
+
+def processes(tokens: list[str]) -> int:
+    """Processes an ``accelerate launch`` command starts (--num_processes, or its --config_file's), else 1."""
+    if tokens[:2] != ["accelerate", "launch"]:
+        return 1
+    for flag, value in zip(tokens, tokens[1:]):
+        if flag == "--num_processes":
+            return int(value)
+        if flag == "--config_file":
+            match = re.search(r"^num_processes:\s*(\d+)", (REPO / value).read_text(), flags=re.M)
+            return int(match.group(1)) if match else 1
+    return 1
+
+
+def gpu_run(command: str):
+    """(Args, processes) of a command that trains on a GPU (a model other than 'tiny', not --device cpu), else None."""
+    tokens = shlex.split(command, comments=True)
+    if not tokens or re.search(r"<[^<>]+>", shlex.join(tokens)):
+        return None
+    found = target_and_flags(tokens)
+    if found is None or found[0].__module__ == "common.evaluate":
+        return None
+    args = tyro.cli(found[0], args=found[1])
+    return (args, processes(tokens)) if args.model != "tiny" and args.device != "cpu" else None
+
+
+def check_planner_note(note: str | None, command: str, where: str) -> bool:
+    """Fail unless a GPU command's ``# planner:`` note states what the planner says for it; False for non-GPU ones."""
+    from common.memory import local_config, plan_memory
+    from common.runtime import context_budget
+
+    run = gpu_run(command)
+    if run is None:
+        return False
+    args, world = run
+    match = PLANNER_LINE.fullmatch(note or "")
+    assert match, f"{where}: GPU command without a valid '# planner: ...' line above it: `{command[:100]}`"
+    folder = local_config(args.model)
+    if match["model"]:
+        assert match["model"] == args.model and folder is None, f"{where}: {args.model} has a local config: plan it"
+        return True
+    assert folder, f"{where}: no common/model_configs folder for {args.model}: add one or say 'not planned'"
+    _, max_model_len = context_budget(args, folder)
+    plan = plan_memory(args, folder, max_model_len, world, float(match["card"]), backend=None)
+    stated = f"{match['verdict']} on {match['card']} GB: {match['gb']} GB per GPU"
+    assert plan.verdict.split(":")[0] == stated.split(":")[0], f"{where}: `{command[:90]}`: planner says {plan.verdict}"
+    assert abs(plan.peak / 1e9 - float(match["gb"])) <= max(1.0, 0.03 * plan.peak / 1e9), (
+        f"{where}: `{command[:90]}`: stated {match['gb']} GB, planner says {plan.verdict}"
+    )
+    return True
+
+
+def test_gpu_commands_in_readme_and_docs_carry_the_planner_verdict():
+    checked = sum(
+        check_planner_note(note, command, str(path.relative_to(REPO)))
+        for path in DOC_FILES
+        for note, command in annotated_commands(fenced_commands(path.read_text()))
+    )
+    assert checked >= 10, f"only {checked} GPU commands found in README.md and docs/"
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_gpu_commands_in_script_docstrings_carry_the_planner_verdict(script):
+    for note, command in annotated_commands(docstring_commands(REPO / "algos" / f"{script}.py")):
+        check_planner_note(note, command, f"algos/{script}.py docstring")
+
+
+@pytest.mark.parametrize("suite", [s for s in SUITES if s.startswith("gpu-")])
+def test_gpu_suite_runs_carry_the_planner_verdict(suite, tmp_path):
+    """Each ``[[runs]]`` entry of a GPU manifest holds a ``# planner: ...`` comment for its composed command."""
+    bench = load_bench_runner()
+    manifest = bench.load_suite(suite)
+    text = (REPO / "benchmarks" / "suites" / f"{suite}.toml").read_text()
+    notes = [PLANNER_LINE.search(entry) for entry in text.split("[[runs]]")[1:]]
+    assert len(notes) == len(manifest["runs"])
+    labels = [entry.get("label", entry["algo"]) for entry in manifest["runs"]]
+    for run in bench.expand(suite, manifest, None, None, tmp_path):
+        note = notes[labels.index(run.label)]
+        command = shlex.join(run.command if run.command[0] == "accelerate" else ["python", *run.command[1:]])
+        check_planner_note(note and note.group(0), command, f"suites/{suite}.toml, run {run.label}")

@@ -1,0 +1,170 @@
+"""The memory planner (common/memory.py): parameter counts and components against hand-derived numbers, the
+activation formula against the bytes autograd really saves, --dry-run end to end, and the stop before loading."""
+
+import dataclasses
+import importlib.util
+import os
+import subprocess
+import sys
+
+import pytest
+import tyro
+from conftest import REPO, load_algo
+
+from common import memory
+from common.memory import GB, MODEL_CONFIGS, model_shape, plan_memory
+
+MATH_15B = str(MODEL_CONFIGS / "qwen2.5-math-1.5b")
+
+
+def hand_count(h, i, layers, heads, kv, vocab, tied):
+    """Qwen2 parameters by hand: embedding + layers x (attention + MLP + 2 norms) + final norm (+ untied head)."""
+    head_dim = h // heads
+    attention = (h * h + h) + 2 * (h * kv * head_dim + kv * head_dim) + h * h  # q, k, v with bias; o without
+    mlp = 3 * h * i  # gate, up, down
+    return vocab * h + layers * (attention + mlp + 2 * h) + h + (0 if tied else vocab * h)
+
+
+@pytest.mark.parametrize(
+    "folder, shape, billions",
+    [
+        ("qwen2.5-0.5b", (896, 4864, 24, 14, 2, 151936, True), 0.494),
+        ("qwen2.5-1.5b", (1536, 8960, 28, 12, 2, 151936, True), 1.544),
+        ("qwen2.5-math-1.5b", (1536, 8960, 28, 12, 2, 151936, True), 1.544),
+        ("qwen2.5-7b", (3584, 18944, 28, 28, 4, 152064, False), 7.616),
+    ],
+)
+def test_parameter_counts_match_the_hand_formula(folder, shape, billions):
+    counted = model_shape(str(MODEL_CONFIGS / folder)).params
+    assert counted == hand_count(*shape)
+    assert counted / 1e9 == pytest.approx(billions, abs=0.001)
+
+
+def grpo_args(*flags):
+    return tyro.cli(load_algo("grpo").Args, args=["--learning-rate", "1e-6", *flags])
+
+
+def components(plan):
+    return {label.split(" (")[0]: b / GB for label, b in plan.components}
+
+
+def test_trainer_state_reference_vllm_share_and_sleep():
+    args = grpo_args("--max-new-tokens", "3000", "--prompts-per-step", "128", "--micro-batch-size", "8")
+    plan = plan_memory(args, MATH_15B, 3512, world=1, card_gb=80.0, backend="vllm")
+    parts = components(plan)
+    p = 1_543_714_304
+    # 16 bytes per parameter: 24.7 GB of trainer state for Qwen2.5-1.5B
+    assert parts["weights"] + parts["gradients"] + parts["AdamW moments"] == pytest.approx(16 * p / GB)
+    assert 16 * p / GB == pytest.approx(24.7, abs=0.05)
+    assert parts["frozen reference"] == pytest.approx(4 * p / GB)  # grpo's default β = 0.04 loads it, in fp32
+    assert parts["bf16 autocast weight copies"] == pytest.approx(2 * p / GB)
+    assert parts["vLLM share"] == pytest.approx(0.35 * 80)
+    assert parts["log-prob head chunk"] == pytest.approx(4 * 8 * 1024 * 151936 * 4 / GB)
+    # without checkpointing, 8 rows of 3512 tokens at ~3.7 MB per token: far over the card
+    assert parts["activations without checkpointing"] / (8 * 3512) * 1e3 == pytest.approx(3.69, abs=0.05)
+    assert not plan.fits and not plan.needs_sharding and plan.fixes
+    # sleep mode: the update sees only what an asleep engine keeps; sampling still sees the whole share
+    asleep = plan_memory(
+        dataclasses.replace(args, rollout=dataclasses.replace(args.rollout, enable_sleep_mode=True)),
+        MATH_15B,
+        3512,
+        card_gb=80.0,
+        backend="vllm",
+    )
+    assert plan.update_peak - asleep.update_peak == pytest.approx((0.35 * 80 - memory.VLLM_ASLEEP_GB) * GB)
+    assert asleep.rollout_peak == plan.rollout_peak
+
+
+def test_which_models_each_script_loads():
+    no_kl = plan_memory(grpo_args("--kl-coef", "0"), MATH_15B, 1024, backend="vllm")
+    assert components(no_kl)["frozen reference"] == 0
+    ppo = tyro.cli(load_algo("ppo").Args, args=["--learning-rate", "1e-6"])
+    prime = tyro.cli(load_algo("prime").Args, args=["--learning-rate", "1e-6"])
+    assert memory.trained_models(ppo) == (2, False)  # policy + critic; ORZ's β = 0 loads no reference
+    assert memory.trained_models(prime) == (2, True)  # policy + PRM, and always the reference
+    p = model_shape(MATH_15B).params
+    parts = components(plan_memory(prime, MATH_15B, 1024, backend="vllm"))
+    assert parts["weights"] + parts["gradients"] + parts["AdamW moments"] == pytest.approx(32 * p / GB)
+    # bf16 weights: 2 + 2 + 4 bytes per parameter; DDP adds its gradient buckets and divides nothing
+    bf16 = components(plan_memory(grpo_args("--dtype", "bfloat16"), MATH_15B, 1024, world=8, backend="vllm"))
+    assert bf16["weights"] + bf16["gradients"] + bf16["AdamW moments"] == pytest.approx(8 * p / GB)
+    assert bf16["DDP gradient buckets"] == pytest.approx(2 * p / GB)
+
+
+def test_seven_b_needs_sharding_and_small_models_fit():
+    seven = plan_memory(grpo_args(), str(MODEL_CONFIGS / "qwen2.5-7b"), 1024, backend="vllm")
+    assert seven.needs_sharding and "FSDP2" in seven.verdict and "FSDP2" in seven.fixes[0]
+    small = plan_memory(grpo_args("--micro-batch-size", "4"), str(MODEL_CONFIGS / "qwen2.5-0.5b"), 1024)
+    assert small.fits and small.verdict.startswith("fits on 80 GB")
+
+
+def load_activation_benchmark():
+    spec = importlib.util.spec_from_file_location("activation_memory", REPO / "benchmarks" / "activation_memory.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# configs, lengths and modes the formula was not derived on (benchmarks/activation_memory.py's GRID was)
+HELD_OUT = [
+    ((80, 224, 2, 5, 1), 56, False, True),
+    ((80, 224, 2, 5, 1), 56, True, True),
+    ((160, 448, 3, 10, 2), 96, False, True),
+    ((160, 448, 3, 10, 2), 96, False, False),
+    ((160, 448, 3, 10, 2), 96, True, False),
+    ((128, 512, 4, 4, 2), 72, False, True),
+    ((128, 512, 4, 4, 2), 72, True, True),
+    ((224, 608, 2, 7, 7), 40, False, False),
+]
+
+
+@pytest.mark.parametrize("config, seq, checkpointing, bf16", HELD_OUT)
+def test_activation_formula_matches_the_bytes_autograd_saves(config, seq, checkpointing, bf16):
+    bench = load_activation_benchmark()
+    model, shape = bench.small_model(*config)
+    measured, copies = bench.saved_bytes(model, 2, seq, checkpointing, bf16)
+    formula = 2 * seq * memory.saved_bytes_per_token(shape, seq, bf16, checkpointing)
+    assert formula == pytest.approx(measured, rel=0.10)
+    if bf16 and not checkpointing:  # autocast bf16 weight copies: ~2 bytes per parameter, counted apart
+        assert copies == pytest.approx(2 * shape.params, rel=0.10)
+
+
+def run_script(*flags):
+    env = dict(os.environ, OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1", CUDA_VISIBLE_DEVICES="")
+    return subprocess.run(
+        [sys.executable, "algos/grpo.py", *flags], cwd=REPO, env=env, capture_output=True, text=True, timeout=300
+    )
+
+
+def test_dry_run_prints_every_component_and_a_verdict_from_a_config_only_folder(tmp_path):
+    folder = tmp_path / "math-1.5b"  # a folder with only config.json: no tokenizer, no weights
+    folder.mkdir()
+    (folder / "config.json").write_text((MODEL_CONFIGS / "qwen2.5-math-1.5b" / "config.json").read_text())
+    flags = ["--learning-rate", "1e-6", "--max-new-tokens", "3000", "--prompts-per-step", "128"]
+    result = run_script("--model", str(folder), *flags, "--micro-batch-size", "8", "--dry-run")
+    assert result.returncode == 0, result.stderr[-2000:]
+    out = result.stdout
+    for part in ("weights", "gradients", "AdamW moments", "frozen reference", "bf16 autocast weight copies",
+                 "activations without checkpointing", "activations with --gradient-checkpointing",
+                 "log-prob head chunk", "vLLM share (0.35 x 80 GB)", "1.544 B parameters"):  # fmt: skip
+        assert part in out, out
+    assert "planner: does not fit on 80 GB" in out and "would fit with: --" in out
+    assert not (tmp_path / "runs").exists()
+    # a card too small for the trainer state alone: sharding, still before any weights load
+    small = run_script("--model", str(folder), *flags, "--dry-run", "--dry-run-gpu-gb", "24")
+    assert small.returncode == 0 and "needs FSDP2 sharding (not supported yet) on 24 GB" in small.stdout
+
+
+def test_a_gpu_run_that_does_not_fit_stops_before_loading_unless_overridden():
+    args = grpo_args("--model", MATH_15B, "--max-new-tokens", "3000", "--micro-batch-size", "8")
+    with pytest.raises(SystemExit) as stop:
+        memory.check_memory_plan(args, MATH_15B, 3512, world=1, on_gpu=True)
+    assert "--gradient-checkpointing" in str(stop.value.code) and "--ignore-memory-plan" in str(stop.value.code)
+    memory.check_memory_plan(dataclasses.replace(args, ignore_memory_plan=True), MATH_15B, 3512, 1, on_gpu=True)
+    fits = grpo_args("--model", MATH_15B, "--max-new-tokens", "1000", "--micro-batch-size", "2")
+    memory.check_memory_plan(fits, MATH_15B, 1512, world=1, on_gpu=True)
+
+
+def test_cpu_runs_are_not_planned(monkeypatch):
+    monkeypatch.setattr(memory, "plan_memory", lambda *a, **k: pytest.fail("a CPU run must not plan"))
+    memory.check_memory_plan(grpo_args(), "tiny", 552, world=1, on_gpu=False)
