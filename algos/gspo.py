@@ -135,6 +135,12 @@ class Args:
     """recompute each layer's activations in the backward pass: less memory for ~30% more compute (long completions)"""
     max_bad_steps: int = 5
     """abort after this many consecutive steps with a non-finite loss or gradient (each is skipped)"""
+    dry_run: bool = False
+    """print the per-GPU memory plan and exit without loading weights"""
+    dry_run_gpu_gb: float = 0.0
+    """GPU memory the plan is judged against (0 = the GPU seen, 80 without one)"""
+    ignore_memory_plan: bool = False
+    """start a CUDA run even when the memory plan says it does not fit"""
     # ALGO LOGIC: GSPO hyperparameters
     clip_eps_low: float = 3e-3
     """ε_low, lower clip of the sequence ratio s_i at 1 - ε_low (GSPO §5.1: 3e-4, for GPU runs; tiny: 3e-3)"""

@@ -20,6 +20,7 @@ import resource
 import signal
 import sys
 import time
+from collections.abc import Collection
 
 import torch
 from tqdm.auto import tqdm
@@ -111,6 +112,7 @@ class Bookkeeper:
         self.stop_signal: list[int] = []  # SIGTERM / SIGINT: finish the current step, checkpoint, exit
         self.progress = None
         self.step = 0  # the step in progress (0-based)
+        self.prompt_indices: list[int] = []  # training-set indices of this process's prompts from next_prompts
 
     def steps(self):
         """Resume from the latest checkpoint (with ``--resume``), evaluate the starting policy, then yield steps."""
@@ -144,13 +146,25 @@ class Bookkeeper:
             self.step = step
             yield step
 
-    def next_prompts(self) -> tuple[list[dict], list[list[int]]]:
+    def next_prompts(self, exclude: Collection[int] = ()) -> tuple[list[dict], list[list[int]]]:
         """The next ``--prompts-per-step`` prompts of the seeded stream: this process's contiguous share (whole
-        groups stay on one rank), as problems and encoded prompts. Advances the data cursor."""
-        run, args = self.run, self.args
-        indices = prompt_batch(len(self.task.train_problems), self.cursor, args.prompts_per_step, args.seed)
+        groups stay on one rank), as problems and encoded prompts. Advances the data cursor.
+
+        ``exclude``: training-set indices the stream passes over (a script's retired prompts; the same on every
+        process). The cursor counts the positions passed over too, so a resume that restores the cursor and the
+        same ``exclude`` continues with the same prompts."""
+        run, args, num_items = self.run, self.args, len(self.task.train_problems)
+        if len(exclude) >= num_items:
+            raise SystemExit(
+                f"every one of the {num_items} training prompts is excluded (retired): nothing to train on"
+            )
+        indices = []
+        while len(indices) < args.prompts_per_step:
+            wanted = args.prompts_per_step - len(indices)
+            indices += [i for i in prompt_batch(num_items, self.cursor, wanted, args.seed) if i not in exclude]
+            self.cursor += wanted
         indices = indices[run.rank * run.local_prompts : (run.rank + 1) * run.local_prompts]
-        self.cursor += args.prompts_per_step
+        self.prompt_indices = indices
         problems = [self.task.train_problems[i] for i in indices]
         return problems, encode_prompts(self.tokenizer, problems, self.task.template, run.max_prompt_tokens)
 
@@ -199,6 +213,8 @@ class Bookkeeper:
         self.train_time += log["time/step_s"]
         log["time/elapsed_s"] = self.train_time
         log["memory/peak_rss_gb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6
+        if run.device.type == "cuda":  # what the memory planner predicts: the most this process's tensors held
+            log["memory/peak_gpu_gb"] = torch.cuda.max_memory_allocated(run.device) / 1e9
         self.tracker.log(log, step)
         self.tracker.log_samples(samples, step)
         self.progress.set_postfix(

@@ -16,7 +16,8 @@ REQUIRED_FUNCTIONS = {
     "prime": ["implicit_process_rewards", "prm_loss", "compute_advantages", "policy_loss"],
     "dapo": ["compute_advantages", "policy_loss", "overlong_penalty"],
 }
-PARENTS = {"grpo", "ppo"}
+PARENTS = {"grpo", "ppo"}  # the roots: every other script is a fork of one script, named in its docstring
+PARENT = {"scalerl": "cispo"}  # forks of a fork (the default parent is grpo.py)
 
 
 def fields(module) -> dict[str, dataclasses.Field]:
@@ -48,7 +49,10 @@ def test_required_functions_and_docstring(script):
     doc = module.__doc__ or ""
     assert "arXiv" in doc or "http" in doc, f"{script}.py docstring must cite its paper"
     if script not in PARENTS:
-        assert "Relative to" in doc, f"{script}.py docstring must list its delta ('Relative to grpo.py ...')"
+        parent = PARENT.get(script, "grpo")
+        assert f"Relative to {parent}.py" in doc, (
+            f"{script}.py docstring must list its delta ('Relative to {parent}.py')"
+        )
     assert "vllm" not in sys.modules
 
 
