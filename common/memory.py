@@ -106,7 +106,10 @@ def model_shape(model_path: str) -> ModelShape:
 
 
 def local_config(model: str) -> str | None:
-    """The folder of ``common/model_configs`` that holds ``model``'s architecture (a hub id), or None."""
+    """A local folder holding ``model``'s ``config.json``: ``model`` itself, or the folder of ``common/model_configs``
+    that holds a hub id's architecture; None when there is none."""
+    if (Path(model) / "config.json").is_file():
+        return model
     folder = LOCAL_CONFIGS.get(model)
     return str(MODEL_CONFIGS / folder) if folder else None
 
