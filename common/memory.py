@@ -260,7 +260,11 @@ def plan_memory(
         decoded = min(max(1, args.rollout.hf_max_batch // args.group_size), args.prompts_per_step // world)
         kv = decoded * args.group_size * max_model_len * shape.layers * 2 * shape.kv_heads * shape.head_dim * wbytes
         components.append((f"HF engine KV cache ({decoded * args.group_size} rows)", kv))
-        rollout_engine, update_engine = kv, 0.0
+        # a lagging sampler (scalerl.py's --max-lag) samples from its own copy of the weights with the HF engine
+        sampler = wbytes * p if getattr(args, "max_lag", 1) > 1 else 0.0
+        if sampler:
+            components.append(("sampler's weight copy (--max-lag > 1)", sampler))
+        rollout_engine, update_engine = kv + sampler, sampler
     overhead = CUDA_OVERHEAD_GB * GB
     components.append(("CUDA context and workspaces", overhead))
     resident = n_trained * 3 * wbytes * p + (wbytes * p if has_ref else 0.0) + overhead  # weights, moments, ref
