@@ -132,6 +132,10 @@ class Args:
     """GPU memory the plan is judged against (0 = the GPU seen, 80 without one)"""
     ignore_memory_plan: bool = False
     """start a CUDA run even when the memory plan says it does not fit"""
+    fsdp: bool = False
+    """shard policy, reference, critic, PRM per decoder layer with FSDP2 (launch: torchrun or accelerate launch)"""
+    fsdp_offload: bool = False
+    """with --fsdp: sharded weights, gradients and AdamW moments in host memory (the optimiser steps on the CPU)"""
     # ALGO LOGIC: Dr. GRPO hyperparameters (the loss normaliser is the constant max_new_tokens above)
     clip_eps: float = 0.2
     """ε, the PPO clip range of the ratio (Dr. GRPO objective, as in GRPO)"""
@@ -228,9 +232,9 @@ def main() -> None:
         raw_model.parameters(), lr=args.learning_rate, betas=(0.9, args.adam_beta2), weight_decay=args.weight_decay
     )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(1, args.warmup_steps)))
-    # model: the DDP-wrapped policy for forward/backward (raw_model itself on one process); not the scheduler,
-    # which accelerate would step once per process
-    model, optimizer = accelerator.prepare(raw_model, optimizer)
+    # model: the DDP-wrapped policy for forward/backward (raw_model itself on one process or under --fsdp);
+    # not the scheduler, which accelerate would step once per process
+    model, optimizer = run.prepare(raw_model, optimizer)
     engine = make_engine(args.rollout, raw_model, tokenizer, run.model_path, args.seed + run.rank, run.max_model_len)
     books = Bookkeeper(
         run, args, tokenizer, task, engine, {"model": raw_model, "optimizer": optimizer, "scheduler": scheduler}

@@ -56,6 +56,7 @@ from common.evaluate import EvalConfig  # noqa: E402
 from common.logprobs import token_logprobs, token_logprobs_batched  # noqa: E402
 from common.rollout import RolloutConfig, make_engine  # noqa: E402
 from common.runtime import load_model, load_task, load_tokenizer, start_run  # noqa: E402
+from common.sharding import save_pretrained_full  # noqa: E402
 from common.verifiers import compute_rewards  # noqa: E402
 
 
@@ -135,6 +136,10 @@ class Args:
     """GPU memory the plan is judged against (0 = the GPU seen, 80 without one)"""
     ignore_memory_plan: bool = False
     """start a CUDA run even when the memory plan says it does not fit"""
+    fsdp: bool = False
+    """shard policy, reference, critic, PRM per decoder layer with FSDP2 (launch: torchrun or accelerate launch)"""
+    fsdp_offload: bool = False
+    """with --fsdp: sharded weights, gradients and AdamW moments in host memory (the optimiser steps on the CPU)"""
     # ALGO LOGIC: PPO hyperparameters
     clip_eps: float = 0.2
     """ε, the PPO clip range of the ratio (PPO eq. 7; ORZ §2.1: 0.2)"""
@@ -305,9 +310,9 @@ def main() -> None:
         raw_model.parameters(), lr=args.learning_rate, betas=(0.9, args.adam_beta2), weight_decay=args.weight_decay
     )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(1, args.warmup_steps)))
-    # model: the DDP-wrapped policy for forward/backward (raw_model itself on one process); not the scheduler,
-    # which accelerate would step once per process
-    model, optimizer = accelerator.prepare(raw_model, optimizer)
+    # model: the DDP-wrapped policy for forward/backward (raw_model itself on one process or under --fsdp);
+    # not the scheduler, which accelerate would step once per process
+    model, optimizer = run.prepare(raw_model, optimizer)
     # ALGO LOGIC: the critic, a separate copy of the base model with a scalar head (zero-initialised: V = 0 at the
     # start), its own optimiser, and the same warm-up counted in rollout steps
     critic_config = AutoConfig.from_pretrained(run.model_path, num_labels=1)
@@ -329,7 +334,7 @@ def main() -> None:
     critic_scheduler = torch.optim.lr_scheduler.LambdaLR(
         critic_optimizer, lambda s: min(1.0, (s + 1) / max(1, args.warmup_steps * args.critic_num_minibatches))
     )
-    critic, critic_optimizer = accelerator.prepare(raw_critic, critic_optimizer)  # the scheduler unprepared
+    critic, critic_optimizer = run.prepare(raw_critic, critic_optimizer)  # the scheduler unprepared
     engine = make_engine(args.rollout, raw_model, tokenizer, run.model_path, args.seed + run.rank, run.max_model_len)
     books = Bookkeeper(
         run,
@@ -532,8 +537,7 @@ def main() -> None:
         books.log_step(step + 1, update_stats, step_log, t_step, samples)
         books.end_step(step + 1)
 
-    if run.is_main:  # ALGO LOGIC: the value model, for critic-based follow-ups
-        raw_critic.save_pretrained(run.run_dir / "final_critic")
+    save_pretrained_full(raw_critic, run.run_dir / "final_critic", run.is_main)  # ALGO LOGIC: the value model
     books.finish(raw_model)
 
 

@@ -134,6 +134,10 @@ class Args:
     """GPU memory the plan is judged against (0 = the GPU seen, 80 without one)"""
     ignore_memory_plan: bool = False
     """start a CUDA run even when the memory plan says it does not fit"""
+    fsdp: bool = False
+    """shard policy, reference, critic, PRM per decoder layer with FSDP2 (launch: torchrun or accelerate launch)"""
+    fsdp_offload: bool = False
+    """with --fsdp: sharded weights, gradients and AdamW moments in host memory (the optimiser steps on the CPU)"""
     # ALGO LOGIC: PRIME hyperparameters
     clip_eps: float = 0.2
     """ε, the PPO clip range of the ratio (PRIME's policy update, clip_ratio 0.2)"""
@@ -294,13 +298,8 @@ def main() -> None:
     run = start_run(args)  # flags checked, processes started, precision chosen, run folder claimed, seeded
     accelerator, device, autocast = run.accelerator, run.device, run.autocast
     args.prm_learning_rate = args.prm_learning_rate or 2 * args.learning_rate
-    # fail fast on a group size the method rejects
-    compute_advantages(
-        torch.zeros(2 * args.group_size),
-        torch.zeros(2 * args.group_size, 1),
-        torch.ones(2 * args.group_size, 1),
-        args.group_size,
-    )
+    k = 2 * args.group_size  # fail fast on a group size the method rejects
+    compute_advantages(torch.zeros(k), torch.zeros(k, 1), torch.ones(k, 1), args.group_size)
     batch_size = run.local_prompts * args.group_size  # sequences per process per step
     task = load_task(args)
     tokenizer = load_tokenizer(run.model_path)
@@ -312,14 +311,14 @@ def main() -> None:
     prm_optimizer = torch.optim.AdamW(
         raw_prm.parameters(), lr=args.prm_learning_rate, betas=(0.9, args.adam_beta2), weight_decay=args.weight_decay
     )
-    prm, prm_optimizer = accelerator.prepare(raw_prm, prm_optimizer)
+    prm, prm_optimizer = run.prepare(raw_prm, prm_optimizer)
     optimizer = torch.optim.AdamW(
         raw_model.parameters(), lr=args.learning_rate, betas=(0.9, args.adam_beta2), weight_decay=args.weight_decay
     )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(1, args.warmup_steps)))
-    # model: the DDP-wrapped policy for forward/backward (raw_model itself on one process); not the scheduler,
-    # which accelerate would step once per process
-    model, optimizer = accelerator.prepare(raw_model, optimizer)
+    # model: the DDP-wrapped policy for forward/backward (raw_model itself on one process or under --fsdp);
+    # not the scheduler, which accelerate would step once per process
+    model, optimizer = run.prepare(raw_model, optimizer)
     engine = make_engine(args.rollout, raw_model, tokenizer, run.model_path, args.seed + run.rank, run.max_model_len)
     books = Bookkeeper(
         run,

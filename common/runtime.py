@@ -31,6 +31,7 @@ from common.data import STOP_STRINGS, DatasetInfo, dataset_info, format_prompt, 
 from common.evaluate import EvalConfig
 from common.memory import check_memory_plan
 from common.rollout import use_fp32_head
+from common.sharding import shard_model
 from common.tracking import latest_checkpoint, seed_everything
 
 
@@ -51,10 +52,17 @@ class Run:
     local_prompts: int  # prompts per step on this process
     max_prompt_tokens: int  # longest prompt that fits: --max-prompt-tokens, or less on a short-context model
     max_model_len: int  # positions a sequence may use (prompt + token budget), within the model's own limit
+    fsdp: bool = False  # models sharded per decoder layer with FSDP2 (--fsdp); accelerate does not wrap them
+    fsdp_offload: bool = False  # sharded parameters and optimiser state in host memory (--fsdp-offload)
 
     @property
     def is_main(self) -> bool:
         return self.accelerator.is_main_process
+
+    def prepare(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer):
+        """``(model for forward/backward, optimizer)``: under ``--fsdp`` the sharded module and the optimiser
+        themselves (accelerate must not wrap them again), else ``accelerator.prepare`` (DDP on several processes)."""
+        return (model, optimizer) if self.fsdp else self.accelerator.prepare(model, optimizer)
 
 
 def start_run(args) -> Run:
@@ -81,6 +89,13 @@ def start_run(args) -> Run:
     if args.prompts_per_step % world:
         raise SystemExit(
             f"--prompts-per-step {args.prompts_per_step} must be divisible by the number of processes ({world})"
+        )
+    if args.fsdp_offload and not args.fsdp:
+        raise SystemExit("--fsdp-offload offloads FSDP2 shards: pass --fsdp as well")
+    if args.fsdp and world == 1:
+        raise SystemExit(
+            "--fsdp shards the models over processes, and this run has one: launch it with torchrun or accelerate "
+            "launch (e.g. torchrun --nproc_per_node 8 algos/grpo.py --fsdp ...), or drop --fsdp"
         )
     local_prompts = args.prompts_per_step // world
     if (local_prompts * args.group_size) % args.num_minibatches:
@@ -119,6 +134,8 @@ def start_run(args) -> Run:
         local_prompts=local_prompts,
         max_prompt_tokens=max_prompt_tokens,
         max_model_len=max_model_len,
+        fsdp=args.fsdp,
+        fsdp_offload=args.fsdp_offload,
     )
 
 
@@ -197,13 +214,17 @@ def load_model(
 
     ``frozen``: eval mode, no gradients (a reference model). ``gradient_checkpointing``: recompute each layer in
     the backward pass. ``model_cls`` and ``kwargs`` go to ``from_pretrained`` (e.g. a critic's token classifier).
+    Under ``--fsdp`` the model comes back sharded per decoder layer over the processes (``common/sharding.py``):
+    build its optimiser after this call.
     """
     model = model_cls.from_pretrained(
         run.model_path, dtype=run.dtype, attn_implementation=run.attn_implementation, **kwargs
     ).to(run.device)
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    return model.eval().requires_grad_(False) if frozen else model
+    if frozen:
+        model.eval().requires_grad_(False)
+    return shard_model(model, run.fsdp_offload) if run.fsdp else model
 
 
 @dataclass

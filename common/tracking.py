@@ -172,5 +172,6 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
 
 
 def load_checkpoint(path: Path) -> dict:
-    """Load a checkpoint written by ``save_checkpoint`` onto the CPU."""
-    return torch.load(Path(path) / "state.pt", map_location="cpu", weights_only=False)
+    """Load a checkpoint written by ``save_checkpoint`` onto the CPU, memory-mapped (processes of one node that load
+    the same checkpoint share its pages)."""
+    return torch.load(Path(path) / "state.pt", map_location="cpu", weights_only=False, mmap=True)
