@@ -210,36 +210,45 @@ def check_scripts(report: Report, scripts: list[str], steps: int, workdir: Path)
 # ----------------------------------------------------------------------------------------------
 # 2. learner memory and throughput on Qwen2.5 shapes
 # ----------------------------------------------------------------------------------------------
-def load_config(name: str, smoke: bool):
-    from transformers import AutoConfig, Qwen2Config
+def load_config(name: str, smoke: bool, workdir: Path) -> tuple[object, Path]:
+    """(config, folder holding its config.json): common/model_configs/<name>, or the smoke shape written to workdir."""
+    from transformers import AutoConfig
 
+    folder = CONFIGS / name
     if smoke:
-        return Qwen2Config(**{k: v for k, v in SMOKE_CONFIG.items() if k not in ("architectures", "model_type")})
-    return AutoConfig.from_pretrained(CONFIGS / name)
+        folder = workdir / "smoke_config"
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "config.json").write_text(json.dumps(SMOKE_CONFIG))
+    return AutoConfig.from_pretrained(folder), folder
 
 
-def planned_gb(config, micro_batch: int, seq_len: int, checkpointing: bool) -> float | None:
-    """The memory planner's prediction for this learner probe (trainer state + bf16 copies + activations + head)."""
-    try:
-        from common import memory
-    except ImportError:
-        return None
-    predict = getattr(memory, "learner_peak_bytes", None)
-    if predict is None:
-        return None
-    return predict(config, micro_batch=micro_batch, seq_len=seq_len, gradient_checkpointing=checkpointing) / 1e9
+def planned_gb(config_dir: Path, micro_batch: int, seq_len: int, checkpointing: bool, bf16: bool) -> float:
+    """The memory planner's prediction for this learner probe, from its own component formulas (common/memory.py):
+    fp32 weights, gradients and AdamW moments (16 bytes per parameter), the bf16 autocast copies (2 bytes), the
+    activations of one micro-batch and the chunked fp32 log-prob head. CUDA's context and vLLM are not in the probe,
+    so they are not in the prediction either."""
+    from common import memory
+
+    shape = memory.model_shape(str(config_dir))
+    completion = seq_len - min(512, seq_len // 4)
+    total = (16 + (2 if bf16 else 0)) * shape.params
+    total += micro_batch * seq_len * memory.activation_bytes_per_token(shape, seq_len, bf16, checkpointing)
+    total += memory.logprob_head_bytes(shape, micro_batch, completion)
+    return total / 1e9
 
 
-def check_learner(report: Report, names: list[str], grid: list[tuple[int, int, bool]], smoke: bool) -> None:
+def check_learner(
+    report: Report, names: list[str], grid: list[tuple[int, int, bool]], smoke: bool, workdir: Path
+) -> None:
     from transformers import AutoModelForCausalLM
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     peak_tflops = next((v for k, v in PEAK_BF16_TFLOPS.items() if k in report.env["device"]), None)
     for name in names:
-        config = load_config(name, smoke)
+        config, folder = load_config(name, smoke, workdir)
         for micro_batch, seq_len, checkpointing in grid:
             record = {"model": name, "micro_batch": micro_batch, "seq_len": seq_len, "checkpointing": checkpointing}
-            record["planned_gb"] = planned_gb(config, micro_batch, seq_len, checkpointing)
+            record["planned_gb"] = planned_gb(folder, micro_batch, seq_len, checkpointing, bf16=True)
             model = optimizer = None
             try:
                 with device:  # random weights built on the device: a 7B init on the host would take minutes
@@ -294,11 +303,11 @@ def check_learner(report: Report, names: list[str], grid: list[tuple[int, int, b
             report.add("learner", **record)
 
 
-def check_generation(report: Report, name: str, smoke: bool) -> None:
+def check_generation(report: Report, name: str, smoke: bool, workdir: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    config = load_config(name, smoke)
+    config, _ = load_config(name, smoke, workdir)
     prompts, samples, new_tokens = (4, 2, 16) if smoke else (16, 8, 256)
     record = {"model": name, "prompts": prompts, "samples": samples, "new_tokens": new_tokens}
     try:
@@ -338,15 +347,16 @@ def main() -> None:
         scripts = ["grpo", "ppo"] if args.smoke else sorted(p.stem for p in (REPO / "algos").glob("*.py"))
         with tempfile.TemporaryDirectory() as workdir:
             check_scripts(report, scripts, steps=2 if args.smoke else 5, workdir=Path(workdir))
-    if "learner" in args.sections:
-        if args.smoke:
-            check_learner(report, ["smoke"], [(2, 64, False), (2, 64, True)], smoke=True)
-        else:
-            grid = [(mb, seq, ckpt) for mb in (1, 4) for seq in (1024, 4096) for ckpt in (False, True)]
-            check_learner(report, ["qwen2.5-0.5b", "qwen2.5-1.5b"], grid, smoke=False)
-            check_learner(report, ["qwen2.5-7b"], [(1, 1024, True), (1, 4096, True)], smoke=False)
-    if "generate" in args.sections:
-        check_generation(report, "smoke" if args.smoke else "qwen2.5-0.5b", smoke=args.smoke)
+    with tempfile.TemporaryDirectory() as workdir:
+        if "learner" in args.sections:
+            if args.smoke:
+                check_learner(report, ["smoke"], [(2, 64, False), (2, 64, True)], True, Path(workdir))
+            else:
+                grid = [(mb, seq, ckpt) for mb in (1, 4) for seq in (1024, 4096) for ckpt in (False, True)]
+                check_learner(report, ["qwen2.5-0.5b", "qwen2.5-1.5b"], grid, False, Path(workdir))
+                check_learner(report, ["qwen2.5-7b"], [(1, 1024, True), (1, 4096, True)], False, Path(workdir))
+        if "generate" in args.sections:
+            check_generation(report, "smoke" if args.smoke else "qwen2.5-0.5b", args.smoke, Path(workdir))
     failed = [r for r in report.records if r["section"] == "scripts" and not r["ok"]]
     print(f"wrote {out}/results.json and results.md; {len(failed)} script check(s) failed")
     if failed:

@@ -24,6 +24,7 @@ def test_gpu_check_smoke(tmp_path):
     assert all(r["ok"] and r["steps"] == 3 for r in by_section["scripts"]), by_section["scripts"]
     learner = by_section["learner"]
     assert len(learner) == 2 and all(r["tokens_per_s"] > 0 and "error" not in r for r in learner)
+    assert all(r["planned_gb"] > 0 for r in learner)  # the memory planner's prediction beside each row
     assert by_section["generate"][0]["tokens_per_s"] > 0
     table = (tmp_path / "results.md").read_text()
     assert "smoke run on the CPU" in table and "| grpo | True |" in table
