@@ -270,10 +270,10 @@ class PromptPool:
 
 class LaggedSampler:
     """PipelineRL-k in one process: ``engine`` (the rollouts) receives the policy's weights every ``max_lag``
-    optimiser steps. With the HF engine it samples from ``sampler_model``, its own copy of the weights; with vLLM
-    ``sampler_model`` is None (the engine holds its own copy). As Bookkeeper's engine it evaluates, and takes the
-    weights after a resume, on the current policy (``current``: an HF engine on the policy, or the vLLM engine, which
-    an evaluation therefore refreshes). Its counters are checkpointed (Bookkeeper's ``state``)."""
+    optimiser steps. With the HF engine it samples from ``sampler_model``, its own copy of the weights; with vLLM (or
+    the HF engine of a sharded policy) ``sampler_model`` is None: the engine holds its own copy. As Bookkeeper's
+    engine it evaluates, and takes the weights after a resume, on the current policy (``current``: an HF engine on the
+    policy, or the one engine there is, which an evaluation therefore refreshes). Its counters are checkpointed."""
 
     def __init__(self, engine, current, policy: torch.nn.Module, sampler_model, max_lag: int) -> None:
         if max_lag < 1:
@@ -332,9 +332,7 @@ def main() -> None:
     accelerator, device, autocast = run.accelerator, run.device, run.autocast
     compute_advantages(torch.zeros(2 * args.group_size), args.group_size)  # fail fast on a group size it rejects
     batch_size = run.local_prompts * args.group_size  # sequences per process per step
-    if (
-        run.local_prompts % args.num_minibatches
-    ):  # ALGO LOGIC: prompt-level averaging keeps each group in one mini-batch
+    if run.local_prompts % args.num_minibatches:  # ALGO LOGIC: prompt-level averaging keeps groups whole
         raise SystemExit(f"{run.local_prompts} prompts per process do not split into --num-minibatches whole groups")
     task = load_task(args)
     tokenizer = load_tokenizer(run.model_path)
@@ -348,8 +346,10 @@ def main() -> None:
     # not the scheduler, which accelerate would step once per process
     model, optimizer = run.prepare(raw_model, optimizer)
     engine = make_engine(args.rollout, raw_model, tokenizer, run.model_path, args.seed + run.rank, run.max_model_len)
-    # ALGO LOGIC: the sampler lags the trainer. The HF engine samples from its own copy of the weights; vLLM holds one
-    sampler_model = load_model(run, frozen=True) if isinstance(engine, HFEngine) else None
+    # ALGO LOGIC: the sampler lags the trainer. The HF engine gets its own copy of the weights to sample from; vLLM
+    # (and the HF engine of an --fsdp policy, which samples from a gathered copy) holds one already
+    own_copy = isinstance(engine, HFEngine) and not engine.sharded
+    sampler_model = load_model(run, frozen=True) if own_copy else None
     rollout_engine = engine if sampler_model is None else HFEngine(sampler_model, tokenizer, args.rollout.hf_max_batch)
     lagged = LaggedSampler(rollout_engine, engine, raw_model, sampler_model, args.max_lag)
     pool = PromptPool(args.retire_pass_rate)
@@ -387,8 +387,8 @@ def main() -> None:
 
         # 4. ALGO LOGIC: zero-variance filtering, batch-normalised advantages, retirement of solved prompts
         keep = ~zero_variance_groups(rewards, args.group_size)
-        advantages = compute_advantages(rewards, args.group_size, all_reduce=lambda t: accelerator.reduce(t, "sum"))
-        advantages = advantages.to(device)
+        all_reduce = lambda t: accelerator.reduce(t, "sum")  # noqa: E731 - the std over every process's batch
+        advantages = compute_advantages(rewards.to(device), args.group_size, all_reduce=all_reduce)
         solved = [books.prompt_indices, correct.view(-1, args.group_size).sum(-1).int().tolist()]
         for indices, counts in accelerator.gather_for_metrics([solved], use_gather_object=True):  # every process's
             pool.record(indices, counts, args.group_size)

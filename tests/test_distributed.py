@@ -26,12 +26,14 @@ FLAGS = (
 
 
 # what each script adds to the check: grpo the plain per-sequence loss, luffy a global token-mean normaliser
-# (summed over ranks, as cispo/maxrl/dapo), ppo batch whitening over ranks plus a critic with its own optimiser.
+# (summed over ranks, as cispo/maxrl/dapo), ppo batch whitening over ranks plus a critic with its own optimiser,
+# scalerl a batch-level advantage std and a prompt count over ranks, and a retirement pool gathered from every rank.
 # One mini-batch each, so a rank's share of a mini-batch is the same rows however many processes there are.
 SCRIPT_FLAGS = {
     "grpo": [],
     "luffy": ["--num-minibatches", "1"],
     "ppo": ["--critic-num-minibatches", "1"],
+    "scalerl": ["--retire-pass-rate", "0.5"],
 }
 
 
