@@ -27,7 +27,7 @@ CPU, offline (the defaults: the shipped tiny model on the synthetic `arith` task
     python algos/dapo.py
 GPU, the paper's setting (§4.1: lr 1e-6, warm-up 20 rollout steps = 320 optimiser steps, 512 prompts x G=16,
 mini-batches of 512 responses = 16 updates per rollout, max 20480 tokens incl. a 4096-token cache, avg@32 at top-p 0.7):
-    # planner: needs FSDP2 sharding (not supported yet) on 80 GB: 3115.7 GB per GPU
+    # planner: needs FSDP2 sharding (--fsdp) on 80 GB: 3115.7 GB per GPU
     accelerate launch --num_processes 8 algos/dapo.py --model Qwen/Qwen2.5-32B --dataset dapo17k --template dapo \
         --rollout.backend vllm --learning-rate 1e-6 --warmup-steps 320 --max-new-tokens 20480 --prompts-per-step 512 \
         --group-size 16 --num-minibatches 16 --micro-batch-size 4 --eval.dataset aime24 --eval.n 32 \

@@ -34,7 +34,7 @@ on its 200 problems after 60 steps, seeds 1-3 (benchmarks/results/teacher): GRPO
     python benchmarks/run.py teacher && python benchmarks/collect.py teacher
 GPU, one process (paper: Qwen2.5-Math-7B with a 16k context, OpenR1 traces, lr 1e-6, 128 prompts x (7+1), 8k tokens,
 2 updates per batch; add --no-on-policy-clip to match the released train.sh):
-    # planner: needs FSDP2 sharding (not supported yet) on 80 GB: 479.0 GB per GPU
+    # planner: needs FSDP2 sharding (--fsdp) on 80 GB: 479.0 GB per GPU
     python algos/luffy.py --model Elliott/Qwen2.5-Math-7B-16k-think --dataset openr1-luffy --template qwen-math \
         --rollout.backend vllm --learning-rate 1e-6 --max-new-tokens 8192 --max-prompt-tokens 1024 \
         --prompts-per-step 128 --group-size 8 --num-minibatches 2 --micro-batch-size 4 \

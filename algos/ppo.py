@@ -26,7 +26,7 @@ CPU, offline (the defaults: the shipped tiny model on the synthetic `arith` task
     python algos/ppo.py
 GPU, one process (ORZ §3.1: actor lr 1e-6, critic lr 5e-6, 128 prompts x 64 samples, 1 policy step and 12
 critic steps per rollout, AdamW β2 0.95, 50 warm-up steps; ORZ generates up to 8000 tokens):
-    # planner: needs FSDP2 sharding (not supported yet) on 80 GB: 591.6 GB per GPU
+    # planner: needs FSDP2 sharding (--fsdp) on 80 GB: 591.6 GB per GPU
     python algos/ppo.py --model Qwen/Qwen2.5-7B --dataset math --template r1-zero --rollout.backend vllm \
         --learning-rate 1e-6 --critic-learning-rate 5e-6 --adam-beta2 0.95 --warmup-steps 50 \
         --max-new-tokens 8000 --prompts-per-step 128 --group-size 64 --critic-num-minibatches 12 \

@@ -28,7 +28,7 @@ Relative to grpo.py this file changes:
 CPU, offline (the defaults: the shipped tiny model on the synthetic `arith` task):
     python algos/prime.py
 GPU (PRIME's run script: policy lr 5e-7, PRM lr 1e-6, 256 prompts x 4, 3072 tokens, 4 policy/PRM steps per batch):
-    # planner: needs FSDP2 sharding (not supported yet) on 80 GB: 580.2 GB per GPU
+    # planner: needs FSDP2 sharding (--fsdp) on 80 GB: 580.2 GB per GPU
     python algos/prime.py --model PRIME-RL/Eurus-2-7B-SFT --dataset eurus2-rl --template qwen-math --track \
         --rollout.backend vllm --learning-rate 5e-7 --prm-learning-rate 1e-6 --warmup-steps 0 --group-size 4 \
         --prompts-per-step 256 --max-new-tokens 3072 --num-minibatches 4 --micro-batch-size 8 --eval.dataset math500

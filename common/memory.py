@@ -8,15 +8,22 @@ embeddings once) and the run's flags. Per GPU, with P parameters per model:
 
 * trainer state of each trained model (the policy; PPO's critic, PRIME's PRM): fp32 weights 4P, gradients 4P,
   AdamW moments 8P (16P; with ``--dtype bfloat16`` 2P + 2P + 4P). Under DDP (N > 1 processes) each rank holds a
-  replica, nothing divides, and DDP's gradient buckets add another copy of the gradients.
+  replica, nothing divides, and DDP's gradient buckets add another copy of the gradients. Under ``--fsdp``
+  (``common/sharding.py``) the state and the frozen reference divide by N, and each rank gathers the units it
+  computes: the root (embeddings, head, final norm; kept from the forward to the backward) and about two decoder
+  layers at a time, weights and their unsharded gradients; ``--fsdp-offload`` keeps the sharded weights, gradients
+  and AdamW moments in host memory.
 * a frozen reference: 4P (2P in bf16); loaded when ``kl_coef > 0``, and always by prime.py.
 * bf16 autocast weight copies: ~2P per trained model (autocast caches the bf16 cast of every weight a matmul uses;
   the autograd graph holds them until the backward pass). On by default on CUDA (``--mixed-precision auto``).
-* the rollout engine: vLLM takes ``gpu_memory_utilization`` x the card (its bf16 weights and KV cache). With
+* the rollout engine: vLLM takes ``gpu_memory_utilization`` x the card (its bf16 weights and KV cache). With tensor
+  parallelism 1 (the only layout built) every GPU's engine holds the whole model's bf16 weights (2P, sharded or not):
+  when no share leaves the trainer room for them (32B-class models), the verdict says vLLM cannot colocate. With
   ``--rollout.enable-sleep-mode`` it sleeps during the update (level 1: weights offloaded to host memory, KV cache
   freed; ``common/vllm_engine.py``); what stays on the GPU (CUDA graphs, workspaces) is assumed to be
   ``VLLM_ASLEEP_GB``, not measured. The HF engine instead decodes on the trainer's own weights and holds a KV cache
-  for the rows it decodes at once (``--rollout.hf-max-batch``), in the trainer's weight dtype.
+  for the rows it decodes at once (``--rollout.hf-max-batch``), in the trainer's weight dtype; under ``--fsdp`` it
+  samples from a gathered copy (a full replica per rank).
 * activations of one micro-batch at the worst-case padded length (``max_model_len`` = prompt budget + token
   budget): the bytes autograd saves for backward, per token and layer, counted with ``saved_tensors_hooks`` on the
   project's own log-prob path (``benchmarks/activation_memory.py``; ``tests/test_memory.py`` holds the formula to
@@ -164,6 +171,10 @@ class MemoryPlan:
     trainer_state: float  # trained models' state plus frozen copies: what sharding would have to divide
     world: int = 1
     fixes: list[str] = field(default_factory=list)
+    fsdp: bool = False  # the state is sharded over the processes (--fsdp)
+    engine_weights: float = 0.0  # a colocated vLLM's bf16 weights (tensor parallel 1: the whole model per GPU)
+    engine_share: float = 0.0  # the card's share vLLM takes (0 for the HF engine)
+    no_colocation: bool = False  # no vLLM share holds its weights and leaves the trainer room (suggest_fixes)
 
     @property
     def peak(self) -> float:
@@ -171,11 +182,12 @@ class MemoryPlan:
 
     @property
     def fits(self) -> bool:
-        return self.peak <= self.card
+        engine_holds_weights = not self.engine_share or self.engine_weights + GB <= self.engine_share
+        return self.peak <= self.card and engine_holds_weights
 
     @property
     def needs_sharding(self) -> bool:
-        return self.trainer_state + CUDA_OVERHEAD_GB * GB > self.card
+        return not self.fsdp and self.trainer_state + CUDA_OVERHEAD_GB * GB > self.card
 
     @property
     def verdict(self) -> str:
@@ -184,7 +196,9 @@ class MemoryPlan:
         if self.fits:
             return f"fits on {card}: {peak}"
         if self.needs_sharding:
-            return f"needs FSDP2 sharding (not supported yet) on {card}: {peak}"
+            return f"needs FSDP2 sharding (--fsdp) on {card}: {peak}"
+        if self.no_colocation:
+            return f"vLLM cannot colocate on {card}: {peak}"
         return f"does not fit on {card}: {peak}"
 
 
@@ -229,14 +243,23 @@ def plan_memory(
     n_trained, has_ref = trained_models(args)
     rows = min(args.micro_batch_size, args.prompts_per_step // world * args.group_size)
     completion = min(args.max_new_tokens, max_model_len)  # the widest completion a micro-batch can hold
+    fsdp = getattr(args, "fsdp", False) and world > 1
+    shards = world if fsdp else 1  # the trainer state and the reference divide by the processes under --fsdp
+    on_gpu = 0.0 if fsdp and args.fsdp_offload else 1.0  # --fsdp-offload: the sharded state in host memory
+    where = (f", sharded over {world}" + ("" if on_gpu else ", in host memory (--fsdp-offload)")) if fsdp else ""
+    state = n_trained * wbytes * p / shards * on_gpu  # one byte-per-parameter unit of the trained models' state
     components = [
-        (f"weights ({n_trained} trained model(s), {wbytes} B/param)", n_trained * wbytes * p),
-        ("gradients", n_trained * wbytes * p),
-        ("AdamW moments", n_trained * 2 * wbytes * p),
+        (f"weights ({n_trained} trained model(s), {wbytes} B/param{where})", state),
+        ("gradients", state),
+        ("AdamW moments", 2 * state),
     ]
-    if world > 1:
+    if world > 1 and not fsdp:
         components.append((f"DDP gradient buckets ({world} processes, each a replica)", n_trained * wbytes * p))
-    components.append(("frozen reference", wbytes * p if has_ref else 0.0))
+    components.append(("frozen reference", wbytes * p / shards * on_gpu if has_ref else 0.0))
+    if fsdp:  # gathered units: the root kept from forward to backward, ~2 layers (prefetch); weights and gradients
+        root = shape.vocab * shape.hidden * (1 if shape.tied else 2) + shape.hidden
+        gathered = 2 * wbytes * (root + 2 * (p - root) / shape.layers)
+        components.append(("FSDP gathered units (root + 2 layers, weights and gradients)", gathered))
     trainer_state = sum(b for _, b in components)
     copies = n_trained * 2 * p if autocast else 0.0
     components.append(("bf16 autocast weight copies", copies))
@@ -249,8 +272,10 @@ def plan_memory(
         (f"log-prob head chunk ({rows} x {min(LOGPROB_CHUNK, completion)} x {shape.vocab} fp32 x 4)", head)
     )
     used_act = act_ckpt if args.gradient_checkpointing else act
+    engine_weights = engine_share = 0.0
     if backend == "vllm":
-        share = args.rollout.gpu_memory_utilization * card
+        share = engine_share = args.rollout.gpu_memory_utilization * card
+        engine_weights = 2 * p  # tensor parallel 1: the whole model's bf16 weights in every GPU's engine
         asleep = min(share, VLLM_ASLEEP_GB * GB) if args.rollout.enable_sleep_mode else share
         components.append((f"vLLM share ({args.rollout.gpu_memory_utilization:g} x {card_gb:g} GB)", share))
         if args.rollout.enable_sleep_mode:
@@ -264,10 +289,13 @@ def plan_memory(
         sampler = wbytes * p if getattr(args, "max_lag", 1) > 1 else 0.0
         if sampler:
             components.append(("sampler's weight copy (--max-lag > 1)", sampler))
+        if fsdp:  # the HF engine samples from a gathered, unsharded copy of the policy on each rank
+            components.append(("HF engine's gathered policy copy (--fsdp)", wbytes * p))
+            sampler += wbytes * p
         rollout_engine, update_engine = kv + sampler, sampler
     overhead = CUDA_OVERHEAD_GB * GB
     components.append(("CUDA context and workspaces", overhead))
-    resident = n_trained * 3 * wbytes * p + (wbytes * p if has_ref else 0.0) + overhead  # weights, moments, ref
+    resident = (n_trained * 3 * wbytes * p + (wbytes * p if has_ref else 0.0)) / shards * on_gpu + overhead
     rollout_peak = resident + rollout_engine
     update_peak = trainer_state + overhead + copies + used_act + head + update_engine
     plan = MemoryPlan(
@@ -279,6 +307,9 @@ def plan_memory(
         card=card,
         trainer_state=trainer_state,
         world=world,
+        fsdp=fsdp,
+        engine_weights=engine_weights,
+        engine_share=engine_share,
     )
     if with_fixes and not plan.fits:
         plan.fixes = suggest_fixes(args, model_path, max_model_len, world, card_gb, backend, plan)
@@ -289,8 +320,8 @@ def suggest_fixes(args, model_path, max_model_len, world, card_gb, backend, plan
     """Flag sets that make a failing plan fit (fewest changes first, then the largest micro-batch), or sharding."""
     if plan.needs_sharding:
         return [
-            f"trainer state alone ({plan.trainer_state / GB:.1f} GB per GPU) exceeds the card: needs sharding "
-            "(FSDP2, not supported yet), a larger GPU, or a smaller model"
+            f"trainer state alone ({plan.trainer_state / GB:.1f} GB per GPU) exceeds the card: FSDP2 sharding "
+            "(--fsdp over several processes), a larger GPU, or a smaller model"
         ]
     halvings = lambda n, low: [n >> k for k in range(n.bit_length()) if n >> k >= low]  # noqa: E731
     if backend == "vllm":
@@ -310,6 +341,18 @@ def suggest_fixes(args, model_path, max_model_len, world, card_gb, backend, plan
         if len(found) == 3:
             break
     fixes = [" ".join(_flag(k, v) for k, v in f.items()) for f in found]
+    if backend == "vllm" and plan.engine_weights + GB > plan.engine_share:  # the engine cannot hold its weights
+        for util in (0.4, 0.5, 0.6, 0.7, 0.8, 0.9):
+            if plan.engine_weights + GB <= util * card_gb * GB:
+                trial = _with(args, gpu_memory_utilization=util)
+                if plan_memory(trial, model_path, max_model_len, world, card_gb, backend, False).fits:
+                    return [_flag("gpu_memory_utilization", util)]
+        plan.no_colocation = True
+        return [
+            f"a colocated vLLM engine (tensor parallel 1) holds the whole model's bf16 weights on every GPU "
+            f"({plan.engine_weights / GB:.1f} GB), and no share of the card leaves the trainer room: this needs a "
+            "tensor-parallel or separate rollout engine, which the scripts do not build"
+        ]
     if backend == "vllm":  # a smaller engine: its bf16 weights plus a GB of KV cache must still fit in it
         low = (2 * plan.params + GB) / (card_gb * GB)
         for util in (0.3, 0.25, 0.2, 0.15, 0.1):

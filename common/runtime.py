@@ -92,11 +92,6 @@ def start_run(args) -> Run:
         )
     if args.fsdp_offload and not args.fsdp:
         raise SystemExit("--fsdp-offload offloads FSDP2 shards: pass --fsdp as well")
-    if args.fsdp and world == 1:
-        raise SystemExit(
-            "--fsdp shards the models over processes, and this run has one: launch it with torchrun or accelerate "
-            "launch (e.g. torchrun --nproc_per_node 8 algos/grpo.py --fsdp ...), or drop --fsdp"
-        )
     local_prompts = args.prompts_per_step // world
     if (local_prompts * args.group_size) % args.num_minibatches:
         raise SystemExit(
@@ -111,6 +106,11 @@ def start_run(args) -> Run:
     max_prompt_tokens, max_model_len = context_budget(args, model_path)
     # --dry-run prints the per-GPU memory plan and exits; a CUDA run that cannot fit stops before any weights load
     check_memory_plan(args, model_path, max_model_len, world, use_cuda, accelerator.print)
+    if args.fsdp and world == 1:
+        raise SystemExit(
+            "--fsdp shards the models over processes, and this run has one: launch it with torchrun or accelerate "
+            "launch (e.g. torchrun --nproc_per_node 8 algos/grpo.py --fsdp ...), or drop --fsdp"
+        )
     seed_everything(args.seed + rank)
     device = accelerator.device
     # bf16 matmuls (GPU tensor cores; ~2x faster on CPUs with AVX512-BF16/AMX); weights and optimiser stay fp32

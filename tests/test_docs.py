@@ -204,7 +204,8 @@ def test_benchmark_suite_flags_parse(suite, tmp_path):
 # ---------------------------------------------------------------------------------------------------------------
 # every GPU command carries the memory planner's verdict for the hardware it names
 PLANNER_LINE = re.compile(
-    r"# planner: (?:(?P<verdict>fits|does not fit|needs FSDP2 sharding \(not supported yet\)) on (?P<card>\d+) GB: "
+    r"# planner: (?:(?P<verdict>fits|does not fit|needs FSDP2 sharding \(--fsdp\)|vLLM cannot colocate) "
+    r"on (?P<card>\d+) GB: "
     r"(?P<gb>[\d.]+) GB per GPU(?: \(fits with [^()]+\))?|not planned \(no local config for (?P<model>\S+)\))"
 )
 

@@ -98,6 +98,27 @@ def test_seven_b_needs_sharding_and_small_models_fit():
     assert small.fits and small.verdict.startswith("fits on 80 GB")
 
 
+def test_fsdp_divides_the_state_and_offload_moves_it_off_the_gpu():
+    """--fsdp over 8 processes: weights, gradients, moments and the reference divide by 8 (no DDP buckets), the
+    gathered units and the HF engine's gathered copy are counted; --fsdp-offload leaves none of the sharded state on
+    the GPU; a colocated vLLM needs the whole model's bf16 weights on every GPU, which 32B-class models cannot have."""
+    seven = str(MODEL_CONFIGS / "qwen2.5-7b")
+    p = model_shape(seven).params
+    ddp = components(plan_memory(grpo_args(), seven, 1024, world=8, backend="vllm"))
+    fsdp = components(plan_memory(grpo_args("--fsdp"), seven, 1024, world=8, backend="vllm"))
+    for part in ("gradients", "AdamW moments", "frozen reference"):
+        assert fsdp[part] == pytest.approx(ddp[part] / 8)
+    assert "DDP gradient buckets" not in fsdp and fsdp["FSDP gathered units"] > 0
+    offload = components(plan_memory(grpo_args("--fsdp", "--fsdp-offload"), seven, 1024, world=8, backend="vllm"))
+    assert offload["gradients"] == offload["AdamW moments"] == offload["frozen reference"] == 0
+    hf = components(plan_memory(grpo_args("--fsdp"), seven, 1024, world=8, backend="hf"))
+    assert hf["HF engine's gathered policy copy"] == pytest.approx(4 * p / GB)
+    seven_plan = plan_memory(grpo_args("--fsdp", "--gradient-checkpointing", "--micro-batch-size", "4"), seven, 1024, 8)
+    assert not seven_plan.needs_sharding and not seven_plan.no_colocation
+    big = plan_memory(grpo_args("--fsdp", "--fsdp-offload"), str(MODEL_CONFIGS / "qwen2.5-32b"), 1024, 8, 80.0, "vllm")
+    assert big.verdict.startswith("vLLM cannot colocate on 80 GB") and "tensor-parallel" in big.fixes[0]
+
+
 def load_activation_benchmark():
     spec = importlib.util.spec_from_file_location("activation_memory", REPO / "benchmarks" / "activation_memory.py")
     module = importlib.util.module_from_spec(spec)
@@ -152,7 +173,7 @@ def test_dry_run_prints_every_component_and_a_verdict_from_a_config_only_folder(
     assert not (tmp_path / "runs").exists()
     # a card too small for the trainer state alone: sharding, still before any weights load
     small = run_script("--model", str(folder), *flags, "--dry-run", "--dry-run-gpu-gb", "24")
-    assert small.returncode == 0 and "needs FSDP2 sharding (not supported yet) on 24 GB" in small.stdout
+    assert small.returncode == 0 and "needs FSDP2 sharding (--fsdp) on 24 GB" in small.stdout
 
 
 def test_a_gpu_run_that_does_not_fit_stops_before_loading_unless_overridden():
