@@ -288,8 +288,6 @@ class LaggedSampler:
 
     def after_update(self, optimizer_steps: int) -> None:
         self.updates += optimizer_steps
-        if self.sampler_model is not None:  # the HF engine on the policy: free, or its gathered copy under --fsdp
-            self.current.update_weights(self.policy)
         if self.lag >= self.max_lag:
             self.refresh()
 
