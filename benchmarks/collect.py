@@ -10,7 +10,8 @@ Reads runs/<suite>/*/{metrics.jsonl,config.json,bench.json} and writes benchmark
     scaling.png    (suites with grpo runs at several group sizes / token budgets) s/step against each
 When a suite holds a peer (label trl_grpo[-X]) and our matching run (grpo[-X]) with the same seeds, table.md also
 gets the per-seed ratio of seconds per step and of train wall-clock to reach the peer's final held-out accuracy.
-It also rewrites the block between <!-- BENCH-<SUITE>-BEGIN --> and <!-- BENCH-<SUITE>-END --> in README.md.
+It also rewrites the block between <!-- BENCH-<SUITE>-BEGIN --> and <!-- BENCH-<SUITE>-END --> in README.md and,
+for the tiny suite, every row of the table that a docs/*.md page quotes.
 """
 
 from __future__ import annotations
@@ -338,6 +339,24 @@ def update_readme(suite: str, text: str) -> bool:
     return True
 
 
+def update_docs(markdown: str) -> list[str]:
+    """Rewrite every row of this table that a docs/*.md page quotes (same label, links made relative to docs/), so a
+    page never shows figures older than the table. Returns the pages changed."""
+    rows = {}
+    for line in markdown.splitlines():
+        if line.startswith("| ["):
+            label = line[3 : line.index("]")]
+            rows[label] = line.replace("](algos/", "](../algos/").replace("](benchmarks/", "](../benchmarks/")
+    changed = []
+    for page in sorted((REPO / "docs").glob("*.md")):
+        lines = page.read_text().splitlines()
+        new = [rows.get(line[3 : line.find("]")], line) if line.startswith("| [") else line for line in lines]
+        if new != lines:
+            page.write_text("\n".join(new) + "\n")
+            changed.append(page.name)
+    return changed
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("suite")
@@ -369,8 +388,11 @@ def main() -> None:
     readme_text = markdown.replace("](scaling.png)", f"](benchmarks/results/{args.suite}/scaling.png)")
     readme_text += f"\n\n![learning curves](benchmarks/results/{args.suite}/curves.png)"
     updated = update_readme(args.suite, readme_text)
+    pages = update_docs(markdown) if args.suite == "tiny" else []  # the docs pages quote the tiny suite's rows
     print(markdown)
     print(f"\nwrote {out}/runs.csv, table.md, curves.png" + ("; updated README.md" if updated else ""))
+    if pages:
+        print("refreshed the quoted rows in docs/" + ", docs/".join(pages))
 
 
 if __name__ == "__main__":
