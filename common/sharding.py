@@ -65,7 +65,10 @@ def reshard(model: torch.nn.Module) -> None:
 
 
 def _inner_optimizer(obj):
-    """The torch optimiser inside accelerate's wrapper, or None when ``obj`` is not an optimiser."""
+    """The torch optimiser inside accelerate's wrapper, or None when ``obj`` is not an optimiser (a learning-rate
+    scheduler also has an ``optimizer`` attribute: it is saved with its own ``state_dict``)."""
+    if isinstance(obj, torch.optim.lr_scheduler.LRScheduler):
+        return None
     obj = getattr(obj, "optimizer", obj)
     return obj if isinstance(obj, torch.optim.Optimizer) else None
 

@@ -184,3 +184,35 @@ def _worker(out_dir: str) -> None:
 
 if __name__ == "__main__":
     _worker(sys.argv[1])
+
+
+def test_gather_and_restore_keep_the_schedulers_own_state():
+    """A learning-rate scheduler has an ``optimizer`` attribute too: it must be saved as a scheduler (its step count),
+    not as its optimiser, or a resume restarts the warm-up."""
+    from transformers import AutoModelForCausalLM
+
+    from common.data import TINY_MODEL_DIR
+    from common.sharding import gather_state, restore_state
+
+    def build():
+        model = AutoModelForCausalLM.from_pretrained(TINY_MODEL_DIR)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 10))
+        return {"model": model, "optimizer": optimizer, "scheduler": scheduler}
+
+    state = build()
+    ids = torch.arange(12).view(2, 6)
+    for _ in range(3):
+        state["model"](input_ids=ids, labels=ids).loss.backward()
+        state["optimizer"].step()
+        state["optimizer"].zero_grad()
+        state["scheduler"].step()
+    saved = gather_state(state)
+    assert saved["scheduler"]["last_epoch"] == 3
+    fresh = build()
+    restore_state(fresh, saved)
+    assert fresh["scheduler"].last_epoch == 3
+    assert fresh["optimizer"].param_groups[0]["lr"] == pytest.approx(state["optimizer"].param_groups[0]["lr"])
+    fresh["scheduler"].step()
+    state["scheduler"].step()
+    assert fresh["optimizer"].param_groups[0]["lr"] == pytest.approx(state["optimizer"].param_groups[0]["lr"])
