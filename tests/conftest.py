@@ -2,6 +2,8 @@
 
 import importlib.util
 import os
+import socket
+import subprocess
 import sys
 from pathlib import Path
 
@@ -20,6 +22,28 @@ def load_algo(name: str):
     sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
     spec.loader.exec_module(module)
     return module
+
+
+def free_port() -> int:
+    """A port no one listens on now (a fixed one can still be held by the previous launch's rendezvous)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch_script(script: str, args: list[str], nproc: int, timeout: int = 900) -> subprocess.CompletedProcess:
+    """Run ``algos/<script>.py args`` offline with one thread per process: as one process, or as ``nproc`` processes
+    over gloo through torchrun (``accelerate launch --cpu`` would silently run one). Asserts it exited 0."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1"}
+    cmd = [str(REPO / "algos" / f"{script}.py"), *args]
+    if nproc == 1:
+        cmd = [sys.executable, *cmd]
+    else:
+        torchrun = ["-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port", str(free_port())]
+        cmd = [sys.executable, *torchrun, *cmd]
+    result = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result
 
 
 def pytest_configure(config):

@@ -3,17 +3,13 @@ rank 0 logs and checkpoints. (`accelerate launch --cpu --num_processes 2` would 
 so the test asserts the world size the script reports.)"""
 
 import json
-import os
-import socket
-import subprocess
-import sys
 import threading
 import time
 from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import REPO
+from conftest import REPO, launch_script
 from safetensors.torch import load_file
 
 from common.bookkeeping import Bookkeeper
@@ -37,41 +33,9 @@ SCRIPT_FLAGS = {
 }
 
 
-def free_port() -> int:
-    """A port no one listens on now (a fixed one can still be held by the previous launch's rendezvous)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(tmp_path, name, nproc, algo="grpo", extra=()):
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1"}
-    script = [
-        str(REPO / "algos" / f"{algo}.py"),
-        "--output-dir",
-        str(tmp_path),
-        "--run-name",
-        name,
-        *FLAGS,
-        *SCRIPT_FLAGS[algo],
-        *extra,
-    ]
-    if nproc == 1:
-        cmd = [sys.executable, *script]
-    else:
-        cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc_per_node",
-            str(nproc),
-            "--master_port",
-            str(free_port()),
-            *script,
-        ]
-    result = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return result
+    args = ["--output-dir", str(tmp_path), "--run-name", name, *FLAGS, *SCRIPT_FLAGS[algo], *extra]
+    return launch_script(algo, args, nproc)
 
 
 @pytest.mark.parametrize("algo", list(SCRIPT_FLAGS))

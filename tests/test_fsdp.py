@@ -9,13 +9,13 @@ This file is also the two-process worker of ``test_shards_hold_half_of_every_byt
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import free_port, launch_script
 from safetensors.torch import load_file
 
 REPO = Path(__file__).resolve().parent.parent
@@ -36,20 +36,9 @@ BF16_VS_DDP_TOL = 1e-4
 BF16_VS_ONE_TOL = 3e-2
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(tmp_path, name, nproc, algo="grpo", extra=()):
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1"}
-    script = [str(REPO / "algos" / f"{algo}.py"), "--output-dir", str(tmp_path), "--run-name", name]
-    script += [*FLAGS, *SCRIPT_FLAGS[algo], *extra]
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc)]
-    cmd = [sys.executable, *script] if nproc == 1 else [*torchrun, "--master_port", str(free_port()), *script]
-    result = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
-    assert result.returncode == 0, result.stderr[-3000:]
+    args = ["--output-dir", str(tmp_path), "--run-name", name, *FLAGS, *SCRIPT_FLAGS[algo], *extra]
+    result = launch_script(algo, args, nproc, timeout=600)
     assert f"{nproc} process(es)" in result.stdout
     return result
 
