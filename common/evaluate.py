@@ -19,7 +19,7 @@ from typing import Callable
 
 from tqdm.auto import tqdm
 
-from common.rollout import RolloutConfig
+from common.rollout import RolloutConfig, prompt_seeds
 
 
 @dataclass
@@ -95,7 +95,6 @@ def evaluate(
     returns the metrics of the whole set.
     """
     from common.data import format_prompt
-    from common.rollout import prompt_seeds
     from common.verifiers import compute_rewards
 
     if cfg.max_problems:

@@ -350,7 +350,8 @@ def left_pad(sequences: list[list[int]], pad_id: int, device) -> tuple[torch.Ten
 
 def stop_token_ids(model: torch.nn.Module, tokenizer) -> list[int]:
     """Ids that end a completion: the EOS ids (``eos_ids``) plus the chat template's end-of-turn token."""
-    return eos_ids(model, tokenizer) + [t for t in end_of_turn_ids(tokenizer) if t not in eos_ids(model, tokenizer)]
+    eos = eos_ids(model, tokenizer)
+    return eos + [t for t in end_of_turn_ids(tokenizer) if t not in eos]
 
 
 def end_of_turn_ids(tokenizer) -> list[int]:
