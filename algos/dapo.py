@@ -146,6 +146,8 @@ class Args:
     """ε_low, lower clip range of the ratio (DAPO eq. 8, §3.1 clip-higher)"""
     clip_eps_high: float = 0.28
     """ε_high, upper clip range of the ratio (DAPO eq. 8, §3.1 clip-higher)"""
+    dynamic_sampling: bool = True
+    """False: one round, every group kept (the paper's ablation: all-equal groups train with zero advantage)"""
     max_sampling_rounds: int = 4
     """dynamic sampling (DAPO §3.2, eq. 11): at most this many generation rounds per step (verl: max_num_gen_batches)"""
     overlong_cache_frac: float = 0.2
@@ -284,7 +286,7 @@ def main() -> None:
         # (0 < #correct < G) are kept, until local_prompts groups are kept on every rank or max_sampling_rounds is hit
         problems, prompt_ids, completions, texts, golds, rewards, correct = [], [], [], [], [], [], []
         rollout_s, reward_s, sampled_correct, sampled_tokens = 0.0, 0.0, [], 0
-        for round_idx in range(args.max_sampling_rounds):
+        for round_idx in range(args.max_sampling_rounds if args.dynamic_sampling else 1):
             # 1. prompts for this round: this process's share of the seeded, resumable stream
             round_problems, round_prompt_ids = books.next_prompts()
 
@@ -324,7 +326,10 @@ def main() -> None:
             # keep whole groups by correctness (never by the shaped reward); every rank runs the same rounds
             sampled_correct.append(round_correct)
             sampled_tokens += int(round_lengths.sum())
-            for g in filter_groups(round_correct, args.group_size).nonzero().flatten().tolist():
+            keep = filter_groups(round_correct, args.group_size)
+            if not args.dynamic_sampling:  # the ablation: every group goes into the batch
+                keep = torch.ones_like(keep)
+            for g in keep.nonzero().flatten().tolist():
                 rows = slice(g * args.group_size, (g + 1) * args.group_size)
                 problems.append(round_problems[g])
                 prompt_ids.append(round_prompt_ids[g])
@@ -457,6 +462,8 @@ def main() -> None:
             "train/sampling_rounds": sampling_rounds,  # ALGO LOGIC: dynamic sampling diagnostics
             "train/kept_frac": kept_frac,  # fraction of the generated groups with mixed correctness
             "train/batch_fill": num_groups / run.local_prompts,  # < 1 when max_sampling_rounds ran out
+            # groups that carry a gradient (mixed correctness) per prompts_per_step share: the batch DAPO keeps full
+            "train/effective_batch": float((correct.view(-1, args.group_size).std(1) > 0).sum()) / run.local_prompts,
             "train/sampled_accuracy": torch.cat(sampled_correct).mean().item(),  # over every sample generated this step
             "time/rollout_s": rollout_s,
             "time/reward_s": reward_s,

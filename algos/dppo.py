@@ -148,10 +148,10 @@ class Args:
     fsdp_offload: bool = False
     """with --fsdp: sharded weights, gradients and AdamW moments in host memory (the optimiser steps on the CPU)"""
     # ALGO LOGIC: DPPO hyperparameters
-    divergence: Literal["binary_tv", "binary_kl"] = "binary_tv"
-    """D, the trust region divergence: binary TV |π-μ| or binary KL(Bern(μ)‖Bern(π)) (DPPO loss_mode dppo_binary_*)"""
+    divergence: Literal["binary_tv", "binary_kl", "ratio"] = "binary_tv"
+    """D: binary TV |π-μ|, binary KL(Bern(μ)‖Bern(π)), or 'ratio' (PPO's clip as a mask: |π/μ - 1| > δ, the ablation)"""
     delta: float | None = None
-    """δ, the trust-region threshold on D (None = the authors' 0.15 for binary_tv, 0.05 for binary_kl)"""
+    """δ, the trust-region threshold on D (None = the authors' 0.15 for binary_tv, 0.05 for binary_kl; 0.2 for ratio)"""
     clip_ratio_c: float = 10000.0
     """C, the cap of the detached IS weight min(π/μ, C) (clip_ratio_c; 10^4 in the authors' script, i.e. off)"""
     norm_adv_by_std: bool = False
@@ -202,6 +202,8 @@ def trust_region_mask(
 
     Binary TV (signed): π - μ > δ for Â > 0, π - μ < -δ for Â < 0. Binary KL(Bern(μ)‖Bern(π)) > δ with
     π > μ for Â > 0, with π < μ for Â < 0 (1e-8 inside the second log, as the authors). Â = 0: never.
+    'ratio' is the trust region DPPO replaces: π/μ > 1 + δ for Â > 0, π/μ < 1 - δ for Â < 0, which with the
+    IS weight is exactly PPO-clip's gradient anchored at μ (δ = ε = 0.2).
     """
     with torch.no_grad():
         advantages = advantages.unsqueeze(-1) if advantages.dim() == 1 else advantages
@@ -211,8 +213,11 @@ def trust_region_mask(
         elif divergence == "binary_kl":
             kl = mu * (rollout_logprobs - logprobs.detach()) + (1 - mu) * torch.log((1 - mu + 1e-8) / (1 - pi + 1e-8))
             up, down = (kl > delta) & (pi > mu), (kl > delta) & (pi < mu)
+        elif divergence == "ratio":
+            ratio = (logprobs.detach() - rollout_logprobs).exp()
+            up, down = ratio > 1 + delta, ratio < 1 - delta
         else:
-            raise ValueError(f"unknown divergence {divergence!r}; use 'binary_tv' or 'binary_kl'")
+            raise ValueError(f"unknown divergence {divergence!r}; use 'binary_tv', 'binary_kl' or 'ratio'")
         return torch.where(advantages > 0, up, (advantages < 0) & down)
 
 
@@ -278,7 +283,9 @@ def main() -> None:
     accelerator, device, autocast = run.accelerator, run.device, run.autocast
     compute_advantages(torch.zeros(2 * args.group_size), args.group_size)  # fail fast on a group size it rejects
     # ALGO LOGIC: δ defaults by divergence
-    delta = args.delta if args.delta is not None else {"binary_tv": 0.15, "binary_kl": 0.05}[args.divergence]
+    delta = (
+        args.delta if args.delta is not None else {"binary_tv": 0.15, "binary_kl": 0.05, "ratio": 0.2}[args.divergence]
+    )
     batch_size = run.local_prompts * args.group_size  # sequences per process per step
     task = load_task(args)
     tokenizer = load_tokenizer(run.model_path)

@@ -364,12 +364,6 @@ def main() -> None:
             "time/tokens_per_s": float(completion_mask.sum()) / max(rollout_s, 1e-9),
             "time/train_tokens_per_s": float(attention_mask.sum()) * args.num_epochs / max(train_s, 1e-9),
         }
-        # ALGO LOGIC: the length bias shows in wrong answers
-        right, lengths = correct.to(device), completion_mask.sum(-1)
-        step_log["train/response_len_correct"] = ((lengths * right).sum() / right.sum().clamp(min=1)).item()
-        step_log["train/response_len_incorrect"] = (
-            (lengths * (1 - right)).sum() / (1 - right).sum().clamp(min=1)
-        ).item()
         samples = sample_rows(problems, texts, golds, rewards, args.group_size, args.log_samples)
         books.log_step(step + 1, update_stats, step_log, t_step, samples)
         books.end_step(step + 1)

@@ -10,8 +10,10 @@ Reads runs/<suite>/*/{metrics.jsonl,config.json,bench.json} and writes benchmark
     scaling.png    (suites with grpo runs at several group sizes / token budgets) s/step against each
 When a suite holds a peer (label trl_grpo[-X]) and our matching run (grpo[-X]) with the same seeds, table.md also
 gets the per-seed ratio of seconds per step and of train wall-clock to reach the peer's final held-out accuracy.
-It also rewrites the block between <!-- BENCH-<SUITE>-BEGIN --> and <!-- BENCH-<SUITE>-END --> in README.md and,
-for the tiny suite, every row of the table that a docs/*.md page quotes.
+A suite whose manifest has [[claims]] (the claims testbed) leads table.md with each claim's pre-registered test
+and verdict (claims.png) and the ScaleRL compute fit of every run evaluated often enough (fits.png); see
+benchmarks/claims.py. It also rewrites the block between <!-- BENCH-<SUITE>-BEGIN --> and <!-- BENCH-<SUITE>-END -->
+in README.md and, for the tiny suite, every row of the table that a docs/*.md page quotes.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import csv
 import json
 import statistics
 import sys
+import tomllib
 from collections import defaultdict
 from pathlib import Path
 
@@ -135,7 +138,8 @@ def table(runs: list[dict], suite: str) -> str:
     by_label = defaultdict(list)
     for r in runs:
         by_label[r["label"]].append(r)
-    n, k = runs[0]["n"], runs[0]["k"]
+    n = runs[0]["n"] if len({r["n"] for r in runs}) == 1 else "n"  # a suite may evaluate runs differently
+    k = runs[0]["k"] if len({r["k"] for r in runs}) == 1 else "k"
     lines = [
         f"| algorithm | base mean@{n} | final mean@{n} | final pass@{k} | final greedy | response len "
         "| right / wrong sample len (chars) | steps | train wall-clock (s) | s/step "
@@ -159,9 +163,10 @@ def table(runs: list[dict], suite: str) -> str:
             f"| {mean_std([r['peak_mem_gb'] for r in rs], 2)} | {len(rs)} |"
         )
     commits = sorted({r["commit"] + (" (dirty)" if r["dirty"] else "") for r in runs})
+    datasets = ", ".join(f"`{d}`" for d in sorted({r["dataset"] for r in runs}))
     lines += [
         "",
-        f"Suite `{suite}`; held-out set `{runs[0]['dataset']}`; mean@{n} and pass@{k} from {n} samples per problem "
+        f"Suite `{suite}`; held-out set(s) {datasets}; mean@{n} and pass@{k} from {n} samples per problem "
         f"at the suite's evaluation protocol (see each run's config.json); mean ± sample std over seeds. "
         f"s/step and its parts are per-run medians over steps (evaluation excluded); train wall-clock sums every step. "
         f"Hardware: {runs[0]['hardware']}. Commit(s): {', '.join(commits)}. "
@@ -357,6 +362,34 @@ def update_docs(markdown: str) -> list[str]:
     return changed
 
 
+def claims_section(claims: list[dict], runs: list[dict], out: Path) -> str:
+    """The claims table (pre-registered tests and verdicts), the ScaleRL fits, and their plots."""
+    from benchmarks.claims import claims_table, fits_table, plot_claims, plot_fits
+
+    table_md, results = claims_table(claims, runs)
+    plot_claims(claims, results, runs, series, pyplot, out / "claims.png")
+    reproduced = sum(r["verdict"] == "reproduced" for r in results)
+    text = (
+        f"{table_md}\n\n{reproduced} of {len(claims)} claims reproduced. Test (fixed before the judging runs, "
+        "benchmarks/claims.py): per seed, d = treatment - control in the claimed direction; reproduced if the mean "
+        "of d exceeds 2 standard errors, not reproduced if mean + 2 SE is below the claim's smallest effect of "
+        "interest, else inconclusive. Per-seed values: runs.csv and claims.json.\n\n![claims](claims.png)"
+    )
+    (out / "claims.json").write_text(
+        json.dumps([{"id": c["id"], **{k: v for k, v in r.items()}} for c, r in zip(claims, results)], indent=1)
+    )
+    fit_md, fits = fits_table(runs)
+    if fit_md:
+        plot_fits(fits, pyplot, out / "fits.png")
+        text += (
+            "\n\n### Where each run is heading: ScaleRL's compute fit\n\n"
+            "R(C) = R0 + (A - R0) / (1 + (C_mid / C)^B) fitted to each run's held-out mean@n against completion "
+            "tokens generated (R0 = the step-0 score); mean ± std over the seeds whose fit is identified.\n\n"
+            f"{fit_md}\n\n![fits](fits.png)"
+        )
+    return text
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("suite")
@@ -377,6 +410,9 @@ def main() -> None:
         writer.writeheader()
         writer.writerows({k: r[k] for k in fields} for r in runs)
     markdown = table(runs, args.suite)
+    manifest = tomllib.loads((REPO / "benchmarks" / "suites" / f"{args.suite}.toml").read_text())
+    if manifest.get("claims"):
+        markdown = claims_section(manifest["claims"], runs, out) + "\n\n## Every run\n\n" + markdown
     comparison = peer_comparison(runs)
     if comparison:
         markdown += "\n\n" + comparison
@@ -385,7 +421,9 @@ def main() -> None:
         markdown += "\n\n" + scaling_table + "\n\n![scaling](scaling.png)"
     (out / "table.md").write_text(markdown + "\n")
     plot(runs, out / "curves.png", args.suite)
-    readme_text = markdown.replace("](scaling.png)", f"](benchmarks/results/{args.suite}/scaling.png)")
+    readme_text = markdown
+    for png in ("scaling.png", "claims.png", "fits.png"):
+        readme_text = readme_text.replace(f"]({png})", f"](benchmarks/results/{args.suite}/{png})")
     readme_text += f"\n\n![learning curves](benchmarks/results/{args.suite}/curves.png)"
     updated = update_readme(args.suite, readme_text)
     pages = update_docs(markdown) if args.suite == "tiny" else []  # the docs pages quote the tiny suite's rows

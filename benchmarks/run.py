@@ -5,10 +5,12 @@
     python benchmarks/run.py tiny --rerun         # run again even where results exist
     python benchmarks/run.py gpu-small --dry-run  # print the commands only
 
-Each run writes runs/<suite>/<label>__<seed>/ (the scripts' usual run folder) plus bench.json: the exact
-command, git commit and dirty flag, threads, start/end time, wall-clock and exit code. A run whose
-bench.json records exit code 0 is skipped unless --rerun. Runs go in parallel (--jobs), each pinned to
-cores // jobs threads through OMP_NUM_THREADS so that parallel runs do not oversubscribe the CPU.
+A manifest's [[setup]] entries run first, once: a command that builds what the runs need (e.g. a warm-started
+model), skipped when the path it `creates` exists. Each run writes runs/<suite>/<label>__<seed>/ (the scripts'
+usual run folder) plus bench.json: the exact command, git commit and dirty flag, threads, start/end time, wall-
+clock and exit code. A run whose bench.json records exit code 0 is skipped unless --rerun. Runs go in parallel
+(--jobs), each pinned to cores // jobs threads through OMP_NUM_THREADS so that parallel runs do not
+oversubscribe the CPU.
 """
 
 from __future__ import annotations
@@ -133,6 +135,19 @@ def execute(run: Run, threads: int, git: dict, final_eval: list[str], final_eval
     return record
 
 
+def setup(suite: dict) -> None:
+    """Run each [[setup]] command whose ``creates`` path (relative to the repo) is missing; stop if one fails."""
+    for entry in suite.get("setup", []):
+        if (REPO / entry["creates"]).exists():
+            continue
+        command = [sys.executable, *entry["command"]]
+        print(f"setup: {shlex.join(command)}", flush=True)
+        if subprocess.run(command, cwd=REPO, env={**os.environ, "HF_HUB_OFFLINE": "1"}).returncode:
+            raise SystemExit(f"setup command failed: {shlex.join(command)}")
+        if not (REPO / entry["creates"]).exists():
+            raise SystemExit(f"setup command did not create {entry['creates']}: {shlex.join(command)}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("suite", help="manifest name in benchmarks/suites/ (tiny, speed, gpu-small, gpu-reference)")
@@ -147,8 +162,10 @@ def main() -> None:
     suite = load_suite(args.suite)
     runs = expand(args.suite, suite, args.seeds, args.only, Path(args.output_root))
     if args.dry_run:
+        print("\n".join(shlex.join([sys.executable, *e["command"]]) for e in suite.get("setup", [])))
         print("\n".join(shlex.join(run.command) for run in runs))
         return
+    setup(suite)
     todo = [r for r in runs if args.rerun or not done(r)]
     jobs = max(1, args.jobs or suite.get("jobs", 1))
     threads = max(1, (os.cpu_count() or 1) // jobs)

@@ -72,12 +72,17 @@ def rollout_stats(
     completions: list[Completion],
     group_size: int,
 ) -> dict[str, float]:
-    """The sampled batch's ``train/`` statistics: mean reward, accuracy, length, truncation, zero-advantage groups."""
+    """The sampled batch's ``train/`` statistics: mean reward, accuracy, length (also of the correct and of the
+    incorrect completions apart, 0 when there are none: Dr. GRPO's length bias shows in the wrong ones), truncation,
+    zero-advantage groups."""
     grouped_rewards = rewards.view(-1, group_size)
+    lengths, right = completion_mask.sum(-1).float().cpu(), correct.float().cpu()
     return {
         "train/reward": rewards.mean().item(),
         "train/accuracy": correct.mean().item(),
         "train/response_len": completion_mask.sum(-1).mean().item(),
+        "train/response_len_correct": ((lengths * right).sum() / right.sum().clamp(min=1)).item(),
+        "train/response_len_incorrect": ((lengths * (1 - right)).sum() / (1 - right).sum().clamp(min=1)).item(),
         "train/truncation_rate": sum(c.finish_reason == "length" for c in completions) / len(completions),
         "train/frac_zero_adv_groups": (grouped_rewards.max(1).values == grouped_rewards.min(1).values)
         .float()
@@ -235,12 +240,13 @@ class Bookkeeper:
     def end_step(self, step: int) -> None:
         """Evaluate and checkpoint on their cadence (and after the last step); exit cleanly after a stop signal."""
         args = self.args
-        if step % args.eval_every == 0 or step == args.total_steps:
+        # 0 = never on a cadence: only before the first step and after the last
+        if (args.eval_every and step % args.eval_every == 0) or step == args.total_steps:
             self.last_eval = self.evaluate(step)
             if self.run.is_main:
                 scores = (f"{k.split('/')[-1]} {v:.3f}" for k, v in self.last_eval.items() if not k.startswith("time"))
                 self.progress.write(f"step {step}: " + "  ".join(scores))
-        if step % args.save_every == 0 or step == args.total_steps or self.stop_signal:
+        if (args.save_every and step % args.save_every == 0) or step == args.total_steps or self.stop_signal:
             self.checkpoint(step)
         if self.stop_signal:
             self.tracker.close()

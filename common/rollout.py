@@ -58,6 +58,8 @@ class RolloutConfig:
     """vLLM: free the KV cache and offload weights between rollouts (level 1) to make room for training"""
     enforce_eager: bool = False
     """vLLM: disable CUDA graphs (slower generation, faster start-up, less memory)"""
+    logit_noise: float = 0.0
+    """HF engine: std of Gaussian noise added to the sampler's logits, a deliberately mismatched sampler (0 = off)"""
 
 
 @dataclass
@@ -97,15 +99,21 @@ class HFEngine:
     Gumbel-max trick: what a sample becomes never depends on which other prompts share the batch, so a
     resumed run, or the same global batch split over a different number of processes, samples the same
     tokens. The loop also avoids ``generate``'s per-token overhead, which dominates for small models.
+
+    ``logit_noise`` > 0 perturbs the sampler on purpose (the claims testbed's stand-in for a lower-precision or
+    otherwise mismatched inference engine): each sampled step adds independent N(0, logit_noise²) noise, drawn
+    from the sample's own generator, to every logit before temperature and top-p, and the returned log-probs are
+    those of the perturbed distribution the token was drawn from, as a real engine reports its own. The trainer's
+    recomputed log-probs then differ from the sampler's as they would across engines. Greedy decoding is unperturbed.
     """
 
-    def __init__(self, model: torch.nn.Module, tokenizer, max_batch: int = 512):
+    def __init__(self, model: torch.nn.Module, tokenizer, max_batch: int = 512, logit_noise: float = 0.0):
         from common.sharding import is_sharded, unsharded_copy
 
         # a sharded policy: a gathered copy to sample from (a collective: every rank builds the engine)
         self.sharded = is_sharded(model)
         self.model = unsharded_copy(model) if self.sharded else model
-        self.tokenizer, self.max_batch = tokenizer, max_batch
+        self.tokenizer, self.max_batch, self.logit_noise = tokenizer, max_batch, logit_noise
         self.stop_ids = stop_token_ids(model, tokenizer)
         self.token_text: dict[int, str] = {}  # decoded text of single ids, for the stop-string pre-check
 
@@ -189,6 +197,10 @@ class HFEngine:
             if temperature > 0:
                 if step % chunk == 0:  # each sample's own stream: (batch, chunk, vocab) uniforms
                     uniform = torch.stack([torch.rand(chunk, vocab, generator=g, device=device) for g in generators])
+                    if self.logit_noise > 0:  # drawn after the uniforms: logit_noise = 0 leaves the streams unchanged
+                        noise = torch.stack([torch.randn(chunk, vocab, generator=g, device=device) for g in generators])
+                if self.logit_noise > 0:
+                    logits = logits + self.logit_noise * noise[active, step % chunk]
                 logits = top_p_filter(logits / temperature, top_p)
                 next_tokens = gumbel_max(logits, uniform[active, step % chunk])
             else:
@@ -328,7 +340,9 @@ def make_engine(
     if backend == "auto":
         backend = "vllm" if vllm_available() else "hf"
     if backend == "hf":
-        return HFEngine(model, tokenizer, max_batch=cfg.hf_max_batch)
+        return HFEngine(model, tokenizer, max_batch=cfg.hf_max_batch, logit_noise=cfg.logit_noise)
+    if cfg.logit_noise:
+        raise ValueError("--rollout.logit-noise perturbs the HF engine's sampler only; use --rollout.backend hf")
     if importlib.util.find_spec("vllm") is None:
         raise RuntimeError("--rollout.backend vllm needs vLLM: pip install -r requirements-gpu.txt")
     from common.vllm_engine import VLLMEngine  # lazy: vLLM only when asked for

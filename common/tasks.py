@@ -4,6 +4,14 @@
 ``4+7=11;11-2=9;\\boxed{9}`` and the gold answer ``9``; ``arith-hard`` has one operand more than the shipped model's
 warm start saw. Each task's held-out split is disjoint from its train split. ``common/data.py`` registers every
 task here by name, scored with the exact-match verifier.
+
+The claims testbed (``benchmarks/suites/claims.toml``) adds two variants built so a paper's mechanism can act:
+
+* ``arith-pad``: the worked solutions restate the running total 0..``max_redundant`` times (``11=11;``) before the
+  answer, so a policy warm-started on them (``scripts/build_tiny_model.py --task arith-pad``) chooses its length
+  freely; the verifier reads only ``\\boxed{}`` (Dr. GRPO's length bias).
+* ``arith-mix``: 3 or 4 operands at random, easy and hard prompts in one batch; its train split excludes
+  ``arith-hard``'s held-out problems, the set it is evaluated on (MaxRL's pass@k at large k).
 """
 
 from __future__ import annotations
@@ -20,8 +28,11 @@ Problem = dict[str, str]  # prompt, answer, solution: see common/data.py
 class ArithSpec:
     """Shape of the synthetic chain-arithmetic task."""
 
-    n_terms: int = 3  # operands per problem
+    n_terms: int = 3  # operands per problem (the most, with min_terms)
     max_operand: int = 9  # operands are drawn from 0..max_operand
+    min_terms: int = 0  # > 0: each problem draws its operand count from min_terms..n_terms
+    max_redundant: int = 0  # > 0: each solution restates the running total 0..max_redundant times (free length)
+    exclude_test_of: tuple[str, ...] = ()  # tasks whose held-out prompts this task's train split leaves out
 
 
 ARITH_SPECS = {
@@ -29,6 +40,8 @@ ARITH_SPECS = {
     "arith-hard": ArithSpec(
         n_terms=4, max_operand=9
     ),  # one operand more than the warm start saw: ~3% sampled accuracy (LUFFY demo)
+    "arith-pad": ArithSpec(n_terms=3, max_operand=9, max_redundant=6),  # Dr. GRPO claim: length is the policy's choice
+    "arith-mix": ArithSpec(n_terms=4, max_operand=9, min_terms=3, exclude_test_of=("arith-hard",)),  # MaxRL claim
 }
 ARITH_TEST_SIZE = 200  # held-out problems per arith task
 ARITH_TEST_SEED = 999
@@ -37,15 +50,22 @@ ARITH_TRAIN_SEED = 0
 
 
 def make_arith_problem(rng: random.Random, spec: ArithSpec) -> Problem:
-    """One problem, e.g. prompt ``4+7-2=?``, answer ``9``, solution ``4+7=11;11-2=9;\\boxed{9}``."""
-    operands = [rng.randint(0, spec.max_operand) for _ in range(spec.n_terms)]
-    ops = [rng.choice("+-") for _ in range(spec.n_terms - 1)]
+    """One problem, e.g. prompt ``4+7-2=?``, answer ``9``, solution ``4+7=11;11-2=9;\\boxed{9}``.
+
+    With ``spec.max_redundant`` the solution repeats the final total k times, k uniform in 0..max_redundant, e.g.
+    ``4+7=11;11-2=9;9=9;9=9;\\boxed{9}``: the same answer at a length the policy is free to choose.
+    """
+    n_terms = rng.randint(spec.min_terms, spec.n_terms) if spec.min_terms else spec.n_terms
+    operands = [rng.randint(0, spec.max_operand) for _ in range(n_terms)]
+    ops = [rng.choice("+-") for _ in range(n_terms - 1)]
     prompt, total, steps = str(operands[0]), operands[0], []
     for op, x in zip(ops, operands[1:]):
         new_total = total + x if op == "+" else total - x
         steps.append(f"{total}{op}{x}={new_total}")
         prompt += f"{op}{x}"
         total = new_total
+    if spec.max_redundant:
+        steps += [f"{total}={total}"] * rng.randint(0, spec.max_redundant)
     solution = ";".join(steps) + f";\\boxed{{{total}}}"
     return {"prompt": prompt + "=?", "answer": str(total), "solution": solution}
 
@@ -68,7 +88,10 @@ def _arith_split(name: str, split: str) -> tuple[Problem, ...]:
     test = make_arith_problems(ARITH_TEST_SIZE, ARITH_TEST_SEED, spec)
     if split == "test":
         return tuple(test)
-    train = make_arith_problems(ARITH_TRAIN_SIZE, ARITH_TRAIN_SEED, spec, exclude={p["prompt"] for p in test})
+    exclude = {p["prompt"] for p in test} | {
+        p["prompt"] for other in spec.exclude_test_of for p in _arith_split(other, "test")
+    }
+    train = make_arith_problems(ARITH_TRAIN_SIZE, ARITH_TRAIN_SEED, spec, exclude=exclude)
     return tuple(train)
 
 

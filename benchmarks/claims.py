@@ -1,0 +1,301 @@
+"""Judge a suite's pre-registered claims, and fit ScaleRL's saturating curve to each run.
+
+Used by ``benchmarks/collect.py`` for a manifest with ``[[claims]]`` entries (``benchmarks/suites/claims.toml``).
+Each claim names two run labels (``treatment``, ``control``), a logged ``metric``, how a run's rows reduce to one
+number (``reduce``), the claimed ``direction`` and the smallest effect of interest (``min_effect``). The test is
+the same for every claim and fixed here before any judging run:
+
+    per seed s     d_s = sign · (treatment_s - control_s)        sign = +1 for direction "higher", -1 for "lower"
+    effect         d = mean_s d_s,  SE = std_s d_s / sqrt(n)     paired by seed (same data order and sampling seeds)
+    reproduced     d > 2 SE                                      the claimed direction, beyond 2 standard errors
+    not reproduced d + 2 SE < min_effect                         the data exclude an effect of the smallest size
+    inconclusive   otherwise                                     (a wrong-direction effect counts as not reproduced)
+
+Reductions of one run's rows (``steps = [lo, hi]`` bounds the steps used, inclusive):
+
+    final    the metric's value in the last row that logs it (evaluation metrics: the final evaluation)
+    mean     mean of the metric over the rows in ``steps``
+    growth   mean over ``late`` minus mean over ``early`` (two step windows)
+
+Compute-performance fit (ScaleRL, Khatri et al. 2025, arXiv 2510.13786, eq. 1): the held-out curve against
+training compute C (completion tokens generated, summed over steps) is fitted by
+
+    R(C) = R0 + (A - R0) / (1 + (C_mid / C)^B)
+
+with R0 the step-0 evaluation (fixed, as the paper fixes it), and A (asymptote), B (scaling exponent) and C_mid
+(compute at half the gain) free, by ``scipy.optimize.curve_fit``. A fit is reported as identified only when it
+converges with a finite covariance, the standard error of A is below 0.05, that of B below half of B, and C_mid
+lies inside the compute range the run observed (past its end the curve has not bent yet and A is a guess).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import defaultdict
+
+FIT_MIN_POINTS = 6  # evaluations after step 0 needed to attempt a fit (3 free parameters)
+
+
+# ------------------------------------------------------------------------------------------------- reductions
+def reduce_run(rows: list[dict], metric: str, reduce: str, claim: dict) -> float | None:
+    """One run's number for ``metric`` (None when the run never logs it in the window)."""
+
+    def window(lo_hi: list[int]) -> list[float]:
+        lo, hi = lo_hi
+        return [r[metric] for r in rows if metric in r and lo <= r["step"] <= hi]
+
+    if reduce == "final":
+        values = [r[metric] for r in rows if metric in r]
+        return values[-1] if values else None
+    if reduce == "mean":
+        values = window(claim.get("steps", [0, 10**9]))
+        return statistics.mean(values) if values else None
+    if reduce == "growth":
+        early, late = window(claim["early"]), window(claim["late"])
+        return statistics.mean(late) - statistics.mean(early) if early and late else None
+    raise ValueError(f"claim {claim.get('id')!r}: unknown reduce {reduce!r}; use final, mean or growth")
+
+
+def paired_test(treatment: dict[int, float], control: dict[int, float], direction: str, min_effect: float) -> dict:
+    """The pre-registered test on per-seed values (seed -> value) of the two arms; see the module docstring."""
+    if direction not in ("higher", "lower"):
+        raise ValueError(f"direction must be 'higher' or 'lower', not {direction!r}")
+    sign = 1.0 if direction == "higher" else -1.0
+    seeds = sorted(set(treatment) & set(control))
+    diffs = [sign * (treatment[s] - control[s]) for s in seeds]
+    out = {"n": len(seeds), "seeds": seeds, "diffs": diffs, "effect": None, "se": None, "verdict": "inconclusive"}
+    if len(diffs) < 2:
+        out["verdict"] = "not enough seeds"
+        return out
+    effect, se = statistics.mean(diffs), statistics.stdev(diffs) / math.sqrt(len(diffs))
+    out |= {"effect": effect, "se": se}
+    if effect > 2 * se:
+        out["verdict"] = "reproduced"
+    elif effect + 2 * se < min_effect:
+        out["verdict"] = "not reproduced"
+    return out
+
+
+def judge(claim: dict, runs: list[dict]) -> dict:
+    """Apply one claim's test to the collected runs (each with label, seed, rows)."""
+    arms = {}
+    for arm in ("treatment", "control"):
+        arms[arm] = {
+            r["seed"]: value
+            for r in runs
+            if r["label"] == claim[arm]
+            and (value := reduce_run(r["rows"], claim["metric"], claim["reduce"], claim)) is not None
+        }
+    seeds = set(claim.get("seeds", []))
+    if seeds:  # only the judging seeds count
+        arms = {arm: {s: v for s, v in values.items() if s in seeds} for arm, values in arms.items()}
+    result = paired_test(arms["treatment"], arms["control"], claim["direction"], claim["min_effect"])
+    return result | {"treatment": arms["treatment"], "control": arms["control"]}
+
+
+def mean_sd(values, digits: int) -> str:
+    values = list(values)
+    if not values:
+        return "–"
+    if len(values) == 1:
+        return f"{values[0]:.{digits}f}"
+    return f"{statistics.mean(values):.{digits}f} ± {statistics.stdev(values):.{digits}f}"
+
+
+def describe_test(claim: dict) -> str:
+    """The pre-registered test in words, from the claim's fields (so the table cannot drift from what was applied)."""
+    how = {
+        "final": "at the final evaluation",
+        "mean": f"mean over steps {claim.get('steps', ['first', 'last'])[0]}-{claim.get('steps', [0, 'last'])[1]}",
+        "growth": (
+            f"growth: mean over steps {claim.get('late', ['?', '?'])[0]}-{claim.get('late', ['?', '?'])[1]} minus "
+            f"mean over steps {claim.get('early', ['?', '?'])[0]}-{claim.get('early', ['?', '?'])[1]}"
+        ),
+    }[claim["reduce"]]
+    relation = ">" if claim["direction"] == "higher" else "<"
+    seeds = claim.get("seeds", [])
+    return (
+        f"`{claim['metric']}`, {how}; {claim['treatment']} {relation} {claim['control']}, paired by seed; "
+        f"smallest effect of interest {claim['min_effect']}; seeds {', '.join(map(str, seeds)) or 'all'}"
+    )
+
+
+def claims_table(claims: list[dict], runs: list[dict]) -> tuple[str, list[dict]]:
+    """The markdown table (one row per claim) and each claim's judged result."""
+    lines = [
+        "| claim | the paper's evidence | pre-registered test | our measurement (mean ± std over seeds) | verdict |",
+        "|---|---|---|---|---|",
+    ]
+    results = []
+    for claim in claims:
+        result = judge(claim, runs)
+        results.append(result)
+        digits = claim.get("digits", 3)
+        effect = (
+            f"{result['effect']:+.{digits}f} ± {result['se']:.{digits}f} (SE)" if result["effect"] is not None else "–"
+        )
+        measured = (
+            f"{claim['treatment']}: {mean_sd(result['treatment'].values(), digits)}; "
+            f"{claim['control']}: {mean_sd(result['control'].values(), digits)}; "
+            f"paired effect {effect}, n = {result['n']}"
+        )
+        lines.append(
+            f"| **{claim['name']}**: {claim['claim']} | {claim['evidence']} | {describe_test(claim)} | {measured} "
+            f"| **{result['verdict']}** |"
+        )
+    return "\n".join(lines), results
+
+
+# ------------------------------------------------------------------------------------------------- ScaleRL fit
+def sigmoid_curve(compute, r0: float, asymptote: float, exponent: float, c_mid: float):
+    """R(C) = R0 + (A - R0) / (1 + (C_mid / C)^B), elementwise over a numpy array of C > 0."""
+    return r0 + (asymptote - r0) / (1.0 + (c_mid / compute) ** exponent)
+
+
+def compute_curve(rows: list[dict], eval_key: str) -> tuple[list[float], list[float], float | None]:
+    """(compute, held-out score) at each evaluation after step 0, and the step-0 score R0.
+
+    Compute at step t is the completion tokens generated in steps 1..t (``time/tokens_per_s × time/rollout_s``,
+    every sampling round included).
+    """
+    tokens, total = {0: 0.0}, 0.0
+    for row in rows:
+        if "time/tokens_per_s" in row and "time/rollout_s" in row:
+            total += row["time/tokens_per_s"] * row["time/rollout_s"]
+            tokens[row["step"]] = total
+    r0 = next((row[eval_key] for row in rows if eval_key in row and row["step"] == 0), None)
+    points = [(tokens[row["step"]], row[eval_key]) for row in rows if eval_key in row and row["step"] > 0]
+    points = [(c, y) for c, y in points if c > 0]
+    return [c for c, _ in points], [y for _, y in points], r0
+
+
+def fit_sigmoid(compute: list[float], score: list[float], r0: float) -> dict:
+    """Fit A, B, C_mid with R0 fixed; ``identified`` says whether the data pin A and B (module docstring)."""
+    import numpy as np
+    from scipy.optimize import curve_fit
+
+    out = {"identified": False, "A": None, "B": None, "C_mid": None, "why": ""}
+    if len(compute) < FIT_MIN_POINTS:
+        out["why"] = f"{len(compute)} evaluations (< {FIT_MIN_POINTS})"
+        return out
+    c, y = np.asarray(compute, dtype=float), np.asarray(score, dtype=float)
+    scale = float(np.median(c))  # fit in units of the median compute: well-conditioned C_mid
+
+    def model(x, asymptote, exponent, c_mid):
+        return sigmoid_curve(x, r0, asymptote, exponent, c_mid)
+
+    try:
+        params, cov = curve_fit(
+            model,
+            c / scale,
+            y,
+            p0=(float(y[-1]), 1.0, float(np.median(c / scale))),
+            bounds=([0.0, 0.05, 1e-4], [1.0, 20.0, 1e4]),
+            maxfev=20000,
+        )
+    except (RuntimeError, ValueError) as error:
+        out["why"] = f"no convergence ({error.__class__.__name__})"
+        return out
+    errors = np.sqrt(np.diag(cov)) if np.all(np.isfinite(cov)) else np.full(3, np.inf)
+    asymptote, exponent, c_mid = (float(p) for p in params)
+    out |= {"A": asymptote, "B": exponent, "C_mid": c_mid * scale, "se_A": float(errors[0]), "se_B": float(errors[1])}
+    if not np.all(np.isfinite(errors)):
+        out["why"] = "infinite covariance"
+    elif errors[0] >= 0.05:
+        out["why"] = f"SE(A) {errors[0]:.3f} >= 0.05"
+    elif errors[1] >= 0.5 * exponent:
+        out["why"] = f"SE(B) {errors[1]:.2f} >= B/2"
+    elif not c.min() <= c_mid * scale <= c.max():
+        out["why"] = "C_mid outside the observed compute"
+    else:
+        out["identified"] = True
+    return out
+
+
+def fits_table(runs: list[dict]) -> tuple[str, dict[str, list[dict]]]:
+    """A, B per label over seeds (identified fits only), for every run evaluated often enough."""
+    fits = defaultdict(list)
+    for r in runs:
+        key = f"{r['eval_prefix']}mean@{r['n']}"
+        compute, score, r0 = compute_curve(r["rows"], key)
+        if r0 is None or len(compute) < FIT_MIN_POINTS:
+            continue
+        fit = fit_sigmoid(compute, score, r0)
+        fits[r["label"]].append(fit | {"seed": r["seed"], "R0": r0, "compute": compute, "score": score})
+    lines = [
+        "| run label | R0 (step 0) | asymptote A | exponent B | C_mid (tokens) | identified | why not (first) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for label, fs in fits.items():
+        ok = [f for f in fs if f["identified"]]
+        reasons = [f["why"] for f in fs if not f["identified"]]
+        lines.append(
+            f"| {label} | {mean_sd([f['R0'] for f in fs], 3)} | {mean_sd([f['A'] for f in ok], 3)} "
+            f"| {mean_sd([f['B'] for f in ok], 2)} | {mean_sd([f['C_mid'] for f in ok], 0)} "
+            f"| {len(ok)}/{len(fs)} | {reasons[0] if reasons else ''} |"
+        )
+    return ("\n".join(lines) if fits else ""), fits
+
+
+# ------------------------------------------------------------------------------------------------- plots
+def plot_claims(claims: list[dict], results: list[dict], runs: list[dict], series, pyplot, out) -> None:
+    """One panel per claim: the metric's key for both arms over steps (mean ± std over the judging seeds)."""
+    plt = pyplot()
+    cols = 3
+    rows_n = -(-len(claims) // cols)
+    fig, axes = plt.subplots(rows_n, cols, figsize=(5.4 * cols, 3.9 * rows_n), squeeze=False)
+    for ax, claim, result in zip(axes.flat, claims, results):
+        xs = []
+        for arm, color in (("treatment", "tab:red"), ("control", "tab:blue")):
+            rs = [r for r in runs if r["label"] == claim[arm] and r["seed"] in result[arm]]
+            if not rs:
+                continue
+            xs, means, stds = series(rs, claim["metric"])
+            ax.plot(xs, means, color=color, label=f"{claim[arm]} ({len(rs)} seeds)", marker="." if len(xs) < 15 else "")
+            ax.fill_between(
+                xs, [m - s for m, s in zip(means, stds)], [m + s for m, s in zip(means, stds)], color=color, alpha=0.15
+            )
+        for key in ("steps", "early", "late"):
+            if key in claim:
+                ax.axvspan(claim[key][0], min(claim[key][1], max(xs) if xs else 0), color="grey", alpha=0.08)
+        ax.set_title(f"{claim['name']}: {result['verdict']}", fontsize=10)
+        ax.set_xlabel("step")
+        ax.set_ylabel(claim["metric"], fontsize=8)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    for ax in list(axes.flat)[len(claims) :]:
+        ax.axis("off")
+    fig.suptitle("claims testbed: each claim's metric, treatment vs control (grey: the pre-registered window)")
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+
+
+def plot_fits(fits: dict[str, list[dict]], pyplot, out) -> None:
+    """Held-out score against compute with each identified fit, one panel per label."""
+    import numpy as np
+
+    plt = pyplot()
+    labels = list(fits)
+    if not labels:
+        return
+    cols = min(4, len(labels))
+    rows_n = -(-len(labels) // cols)
+    fig, axes = plt.subplots(rows_n, cols, figsize=(4.2 * cols, 3.3 * rows_n), squeeze=False)
+    for ax, label in zip(axes.flat, labels):
+        for i, f in enumerate(fits[label]):
+            color = plt.cm.tab10(i % 10)
+            ax.plot(f["compute"], f["score"], ".", color=color, alpha=0.7)
+            if f["identified"]:
+                grid = np.linspace(min(f["compute"]), max(f["compute"]), 100)
+                ax.plot(grid, sigmoid_curve(grid, f["R0"], f["A"], f["B"], f["C_mid"]), color=color, lw=1)
+        ax.set_title(label, fontsize=9)
+        ax.set_xlabel("completion tokens generated")
+        ax.grid(alpha=0.3)
+    for ax in list(axes.flat)[len(labels) :]:
+        ax.axis("off")
+    fig.suptitle("held-out mean@n vs compute; lines: identified fits R(C) = R0 + (A-R0)/(1+(C_mid/C)^B)")
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)

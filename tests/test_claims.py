@@ -1,0 +1,183 @@
+"""The claims testbed: its tasks, the perturbed sampler, the ablation switches it contrasts, the pre-registered
+test and the ScaleRL fit (benchmarks/claims.py), on hand-derived values."""
+
+import math
+import re
+import sys
+
+import numpy as np
+import pytest
+import torch
+from conftest import load_algo
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from benchmarks.claims import fit_sigmoid, judge, paired_test, reduce_run, sigmoid_curve
+from common.bookkeeping import pack_rollout, rollout_stats
+from common.data import TINY_MODEL_DIR, format_prompt, load_problems
+from common.logprobs import token_logprobs
+from common.rollout import Completion, HFEngine
+
+
+# ---------------------------------------------------------------------------------------------- tasks
+def test_arith_pad_solutions_restate_the_total_0_to_6_times_and_box_the_answer():
+    counts = []
+    for p in load_problems("arith-pad", "train")[:2000]:
+        steps = p["solution"].split(";")
+        assert steps[-1] == f"\\boxed{{{p['answer']}}}"
+        redundant = [s for s in steps[:-1] if re.fullmatch(r"(-?\d+)=\1", s)]
+        assert all(s == f"{p['answer']}={p['answer']}" for s in redundant)
+        assert len(steps) - 1 - len(redundant) == 2  # the two real steps of a 3-operand chain
+        counts.append(len(redundant))
+    assert set(counts) == set(range(7))  # every length from 0 to 6 restatements occurs
+
+
+def test_arith_mix_draws_3_or_4_operands_and_never_trains_on_arith_hard_held_out():
+    train = load_problems("arith-mix", "train")
+    operands = [len(re.findall(r"\d+", p["prompt"])) for p in train]
+    assert set(operands) == {3, 4} and 0.45 < operands.count(4) / len(operands) < 0.55
+    held_out = {p["prompt"] for p in load_problems("arith-hard", "test")}
+    assert held_out and not held_out & {p["prompt"] for p in train}
+    for p in train[:500]:  # worked solutions stay right: the last step's result is the answer
+        assert p["solution"].split(";")[-2].split("=")[-1] == p["answer"]
+
+
+def test_the_existing_tasks_are_unchanged_by_the_new_options():
+    # 3 operands, no redundancy: the same problem stream as before the claims tasks existed
+    assert load_problems("arith", "train")[0] == {
+        "prompt": "6-6-0=?",
+        "answer": "0",
+        "solution": "6-6=0;0-0=0;\\boxed{0}",
+    }
+    assert all(len(re.findall(r"\d+", p["prompt"])) == 4 for p in load_problems("arith-hard", "train")[:500])
+
+
+# ---------------------------------------------------------------------------------------------- perturbed sampler
+@pytest.fixture(scope="module")
+def tiny():
+    tok = AutoTokenizer.from_pretrained(TINY_MODEL_DIR)
+    return AutoModelForCausalLM.from_pretrained(TINY_MODEL_DIR), tok
+
+
+def sampler_trainer_gap(model, tok, noise: float) -> float:
+    """Mean |log π_trainer - log π_sampler| over the sampled tokens, the quantity ``train/logprob_gap`` logs."""
+    engine = HFEngine(model, tok, logit_noise=noise)
+    prompt = [tok(format_prompt(q, "chat", tok))["input_ids"] for q in ("1+2-3=?", "9-9+9=?")]
+    out = engine.generate(prompt, n=8, max_new_tokens=24, temperature=1.0, top_p=1.0, seed=5)
+    input_ids, attention, completion_mask, sampler = pack_rollout(prompt, out, 8, tok.pad_token_id, "cpu")
+    with torch.no_grad():
+        trainer, _ = token_logprobs(model, input_ids, attention, completion_mask.shape[1], 1.0)
+    return float(((trainer - sampler).abs() * completion_mask).sum() / completion_mask.sum())
+
+
+def test_logit_noise_makes_the_sampler_disagree_with_the_trainer_and_zero_noise_does_not(tiny):
+    model, tok = tiny
+    exact, mild, strong = (sampler_trainer_gap(model, tok, s) for s in (0.0, 0.3, 1.0))
+    assert exact < 1e-4  # the HF engine samples from the trained module itself
+    assert 0.01 < mild < strong  # a perturbed sampler reports its own, different log-probs; more noise, larger gap
+
+
+def test_zero_logit_noise_leaves_the_samples_unchanged(tiny):
+    model, tok = tiny
+    prompt = [tok(format_prompt("4+4+4=?", "chat", tok))["input_ids"]]
+    plain = HFEngine(model, tok).generate(prompt, n=6, max_new_tokens=20, temperature=1.0, top_p=1.0, seed=3)
+    zero = HFEngine(model, tok, logit_noise=0.0).generate(prompt, 6, 20, 1.0, 1.0, 3)
+    noisy = HFEngine(model, tok, logit_noise=3.0).generate(prompt, 6, 20, 1.0, 1.0, 3)
+    assert [c.token_ids for c in plain] == [c.token_ids for c in zero]
+    assert [c.token_ids for c in plain] != [c.token_ids for c in noisy]
+
+
+# ---------------------------------------------------------------------------------------------- ablation switches
+def test_dppo_ratio_region_is_ppo_clip_as_a_mask():
+    dppo = load_algo("dppo")
+    mu = torch.log(torch.tensor([[0.4, 0.4, 0.001, 0.9]]))
+    pi = torch.log(torch.tensor([[0.5, 0.3, 0.004, 0.7]]))  # ratios 1.25, 0.75, 4.0, 0.78
+    up = dppo.trust_region_mask(pi, mu, torch.tensor([1.0]), delta=0.2, divergence="ratio")
+    down = dppo.trust_region_mask(pi, mu, torch.tensor([-1.0]), delta=0.2, divergence="ratio")
+    assert up.tolist() == [[True, False, True, False]]  # Â > 0 blocks ratios above 1.2
+    assert down.tolist() == [[False, True, False, True]]  # Â < 0 blocks ratios below 0.8
+    # the TV region lets the rare token (TV 0.003) through and blocks the frequent one that moved 0.2
+    tv = dppo.trust_region_mask(pi, mu, torch.tensor([-1.0]), delta=0.15, divergence="binary_tv")
+    assert tv.tolist() == [[False, False, False, True]]
+    assert not dppo.trust_region_mask(pi, mu, torch.tensor([1.0]), delta=0.15, divergence="binary_tv")[0, 2]
+
+
+def test_rollout_stats_splits_length_by_correctness():
+    mask = torch.tensor([[1.0, 1, 0, 0], [1, 1, 1, 1], [1, 1, 1, 0], [1, 0, 0, 0]])
+    correct = torch.tensor([1.0, 0.0, 0.0, 1.0])
+    completions = [Completion([1] * int(m.sum()), [0.0] * int(m.sum()), "stop") for m in mask]
+    stats = rollout_stats(correct, correct, mask, completions, group_size=2)
+    assert stats["train/response_len_correct"] == pytest.approx((2 + 1) / 2)
+    assert stats["train/response_len_incorrect"] == pytest.approx((4 + 3) / 2)
+    none_right = rollout_stats(correct * 0, correct * 0, mask, completions, group_size=2)
+    assert none_right["train/response_len_correct"] == 0.0
+
+
+# ---------------------------------------------------------------------------------------------- the pre-registered test
+def test_paired_test_verdicts_on_hand_values():
+    control = {1: 0.0, 2: 0.0, 3: 0.0}
+    # diffs 1, 2, 3: mean 2, SE = 1 / sqrt(3) = 0.577 < 1: reproduced
+    result = paired_test({1: 1.0, 2: 2.0, 3: 3.0}, control, "higher", min_effect=0.5)
+    assert result["verdict"] == "reproduced"
+    assert result["effect"] == pytest.approx(2.0) and result["se"] == pytest.approx(1 / math.sqrt(3))
+    # the same numbers claimed "lower": mean -2, -2 + 2·0.577 < 0.5: not reproduced
+    assert paired_test({1: 1.0, 2: 2.0, 3: 3.0}, control, "lower", min_effect=0.5)["verdict"] == "not reproduced"
+    # diffs 1, -1, 0.5: mean 0.167, SE 0.601: neither beyond 2 SE nor excluding 0.5
+    assert paired_test({1: 1.0, 2: -1.0, 3: 0.5}, control, "higher", min_effect=0.5)["verdict"] == "inconclusive"
+    # pairing is by seed: an unmatched seed is dropped
+    assert paired_test({1: 1.0, 2: 2.0, 9: 100.0}, control, "higher", 0.5)["n"] == 2
+
+
+def test_reductions_and_judging_seeds():
+    rows = [{"step": s, "m": float(s)} for s in range(1, 11)] + [{"step": 10, "e": 0.7}]
+    assert reduce_run(rows, "m", "growth", {"early": [1, 2], "late": [9, 10]}) == pytest.approx(9.5 - 1.5)
+    assert reduce_run(rows, "m", "mean", {"steps": [3, 5]}) == pytest.approx(4.0)
+    assert reduce_run(rows, "e", "final", {}) == 0.7
+    assert reduce_run(rows, "absent", "final", {}) is None
+    with pytest.raises(ValueError, match="unknown reduce"):
+        reduce_run(rows, "m", "median", {"id": "x"})
+    runs = [
+        {"label": arm, "seed": seed, "rows": [{"step": 1, "m": value + seed * 0.01}]}
+        for arm, value in (("a", 1.0), ("b", 0.0))
+        for seed in (1, 2, 3, 101)
+    ]
+    claim = {"treatment": "a", "control": "b", "metric": "m", "reduce": "final", "direction": "higher"}
+    result = judge(claim | {"min_effect": 0.1, "seeds": [1, 2, 3]}, runs)
+    assert result["n"] == 3 and sorted(result["treatment"]) == [1, 2, 3]  # the design seed 101 does not judge
+    assert result["effect"] == pytest.approx(1.0) and result["verdict"] == "reproduced"
+
+
+# ---------------------------------------------------------------------------------------------- ScaleRL fit
+def test_sigmoid_fit_recovers_known_parameters():
+    compute = np.geomspace(1e3, 1e6, 12)
+    truth = sigmoid_curve(compute, 0.3, 0.85, 1.5, 3e4)
+    noise = np.random.default_rng(0).normal(0, 0.005, compute.shape)
+    fit = fit_sigmoid(list(compute), list(truth + noise), r0=0.3)
+    assert fit["identified"], fit["why"]
+    assert fit["A"] == pytest.approx(0.85, abs=0.02) and fit["B"] == pytest.approx(1.5, rel=0.25)
+    assert fit["C_mid"] == pytest.approx(3e4, rel=0.25)
+
+
+def test_sigmoid_fit_says_unidentified_when_the_curve_has_not_bent():
+    compute = np.geomspace(1e3, 1e4, 8)  # all far below C_mid: a straight climb, the asymptote is not in the data
+    truth = sigmoid_curve(compute, 0.3, 0.85, 1.0, 1e6)
+    fit = fit_sigmoid(list(compute), list(truth + np.random.default_rng(1).normal(0, 0.002, 8)), r0=0.3)
+    assert not fit["identified"]
+    assert not fit_sigmoid([1.0, 2.0], [0.5, 0.6], r0=0.4)["identified"]  # too few points
+
+
+# ---------------------------------------------------------------------------------------------- run.py setup
+def test_suite_setup_runs_once_and_fails_loudly(tmp_path):
+    sys.path.insert(0, "benchmarks")
+    import run as bench_run
+
+    target = tmp_path / "built.txt"
+    make = ["-c", f"import pathlib; pathlib.Path({str(target)!r}).write_text('x')"]
+    bench_run.setup({"setup": [{"creates": str(target), "command": make}]})
+    assert target.read_text() == "x"
+    target.write_text("kept")
+    bench_run.setup({"setup": [{"creates": str(target), "command": make}]})  # exists: not run again
+    assert target.read_text() == "kept"
+    with pytest.raises(SystemExit, match="did not create"):
+        bench_run.setup({"setup": [{"creates": str(tmp_path / "never"), "command": ["-c", "pass"]}]})
+    with pytest.raises(SystemExit, match="failed"):
+        bench_run.setup({"setup": [{"creates": str(tmp_path / "never"), "command": ["-c", "raise SystemExit(3)"]}]})
