@@ -411,8 +411,9 @@ def main() -> None:
         writer.writerows({k: r[k] for k in fields} for r in runs)
     markdown = table(runs, args.suite)
     manifest = tomllib.loads((REPO / "benchmarks" / "suites" / f"{args.suite}.toml").read_text())
-    if manifest.get("claims"):
-        markdown = claims_section(manifest["claims"], runs, out) + "\n\n## Every run\n\n" + markdown
+    claims_md = claims_section(manifest["claims"], runs, out) if manifest.get("claims") else ""
+    if claims_md:
+        markdown = claims_md + "\n\n## Every run\n\n" + markdown
     comparison = peer_comparison(runs)
     if comparison:
         markdown += "\n\n" + comparison
@@ -421,10 +422,11 @@ def main() -> None:
         markdown += "\n\n" + scaling_table + "\n\n![scaling](scaling.png)"
     (out / "table.md").write_text(markdown + "\n")
     plot(runs, out / "curves.png", args.suite)
-    readme_text = markdown
+    readme_text = markdown if not claims_md else claims_md.split("\n\n### Where")[0]  # the README shows the verdicts
     for png in ("scaling.png", "claims.png", "fits.png"):
         readme_text = readme_text.replace(f"]({png})", f"](benchmarks/results/{args.suite}/{png})")
-    readme_text += f"\n\n![learning curves](benchmarks/results/{args.suite}/curves.png)"
+    if not claims_md:
+        readme_text += f"\n\n![learning curves](benchmarks/results/{args.suite}/curves.png)"
     updated = update_readme(args.suite, readme_text)
     pages = update_docs(markdown) if args.suite == "tiny" else []  # the docs pages quote the tiny suite's rows
     print(markdown)

@@ -181,3 +181,27 @@ def test_suite_setup_runs_once_and_fails_loudly(tmp_path):
         bench_run.setup({"setup": [{"creates": str(tmp_path / "never"), "command": ["-c", "pass"]}]})
     with pytest.raises(SystemExit, match="failed"):
         bench_run.setup({"setup": [{"creates": str(tmp_path / "never"), "command": ["-c", "raise SystemExit(3)"]}]})
+
+
+def test_claims_section_writes_verdicts_json_and_plots(tmp_path):
+    sys.path.insert(0, "benchmarks")
+    import collect
+
+    def fake_run(label, seed, level):
+        rows = [{"step": 0, "eval/t/mean@4": 0.3}]
+        for step in range(1, 41):
+            gain = level * (1 - math.exp(-step / 8))
+            rows.append({"step": step, "m": level + 0.01 * seed, "time/tokens_per_s": 1000.0, "time/rollout_s": 0.1})
+            if step % 4 == 0:
+                rows.append({"step": step, "eval/t/mean@4": 0.3 + gain})
+        return {"label": label, "seed": seed, "rows": rows, "eval_prefix": "eval/t/", "n": 4}
+
+    runs = [fake_run("a", s, 0.5) for s in (1, 2, 3)] + [fake_run("b", s, 0.2) for s in (1, 2, 3)]
+    claim = {"id": "x", "name": "X", "claim": "a beats b", "evidence": "e", "treatment": "a", "control": "b"}
+    claims = [claim | {"metric": "m", "reduce": "mean", "steps": [1, 40], "direction": "higher", "min_effect": 0.1}]
+    text = collect.claims_section(claims, runs, tmp_path)
+    assert "| **X**: a beats b |" in text and "**reproduced**" in text and "1 of 1 claims reproduced" in text
+    assert "paired effect +0.300 ± 0.000 (SE), n = 3" in text
+    assert (tmp_path / "claims.png").stat().st_size > 0 and (tmp_path / "fits.png").stat().st_size > 0
+    fitted = [line for line in text.splitlines() if line.startswith("| a |")]
+    assert fitted and "3/3" in fitted[0]  # a clean saturating curve is identified on every seed
