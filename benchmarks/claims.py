@@ -25,7 +25,7 @@ training compute C (completion tokens generated, summed over steps) is fitted by
 with R0 the step-0 evaluation (fixed, as the paper fixes it), and A (asymptote), B (scaling exponent) and C_mid
 (compute at half the gain) free, by ``scipy.optimize.curve_fit``. A fit is reported as identified only when it
 converges with a finite covariance, the standard error of A is below 0.05, that of B below half of B, and C_mid
-lies inside the compute range the run observed (past its end the curve has not bent yet and A is a guess).
+is within the compute the run observed (past its end the curve has not bent yet and A is a guess).
 """
 
 from __future__ import annotations
@@ -206,8 +206,8 @@ def fit_sigmoid(compute: list[float], score: list[float], r0: float) -> dict:
         out["why"] = f"SE(A) {errors[0]:.3f} >= 0.05"
     elif errors[1] >= 0.5 * exponent:
         out["why"] = f"SE(B) {errors[1]:.2f} >= B/2"
-    elif not c.min() <= c_mid * scale <= c.max():
-        out["why"] = "C_mid outside the observed compute"
+    elif c_mid * scale > c.max():
+        out["why"] = "C_mid beyond the observed compute"
     else:
         out["identified"] = True
     return out
