@@ -32,9 +32,12 @@ from common.tasks import ARITH_SPECS, make_arith_problems
 # arith
 # ----------------------------------------------------------------------------------------------
 def check_worked_solution(problem: dict) -> None:
-    """The steps chain through the prompt's operands, each step is correct, the box holds the answer."""
+    """The steps chain through the prompt's operands, each step is correct, the box holds the answer; any redundant
+    restatements (arith-pad) repeat the answer."""
     *steps, boxed = problem["solution"].split(";")
     assert boxed == f"\\boxed{{{problem['answer']}}}"
+    while steps and steps[-1] == f"{problem['answer']}={problem['answer']}":
+        steps.pop()
     terms = re.findall(r"[+-]?\d+", problem["prompt"].removesuffix("=?"))
     total = int(terms[0])
     assert len(steps) == len(terms) - 1
