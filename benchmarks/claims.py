@@ -264,12 +264,14 @@ def plot_claims(claims: list[dict], results: list[dict], runs: list[dict], serie
         ax.set_ylabel(claim["metric"], fontsize=8)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-    for ax in list(axes.flat)[len(claims) :]:
-        ax.axis("off")
-    fig.suptitle("claims testbed: each claim's metric, treatment vs control (grey: the pre-registered window)")
-    fig.tight_layout()
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
+    save_grid(
+        plt,
+        fig,
+        axes,
+        len(claims),
+        "claims testbed: each claim's metric, treatment vs control (grey: the pre-registered window)",
+        out,
+    )
 
 
 def plot_fits(fits: dict[str, list[dict]], pyplot, out) -> None:
@@ -293,9 +295,21 @@ def plot_fits(fits: dict[str, list[dict]], pyplot, out) -> None:
         ax.set_title(label, fontsize=9)
         ax.set_xlabel("completion tokens generated")
         ax.grid(alpha=0.3)
-    for ax in list(axes.flat)[len(labels) :]:
+    save_grid(
+        plt,
+        fig,
+        axes,
+        len(labels),
+        "held-out mean@n vs compute; lines: identified fits R(C) = R0 + (A-R0)/(1+(C_mid/C)^B)",
+        out,
+    )
+
+
+def save_grid(plt, fig, axes, used: int, title: str, out) -> None:
+    """Blank the panels past the first ``used``, title the figure and write it to ``out``."""
+    for ax in list(axes.flat)[used:]:
         ax.axis("off")
-    fig.suptitle("held-out mean@n vs compute; lines: identified fits R(C) = R0 + (A-R0)/(1+(C_mid/C)^B)")
+    fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(out, dpi=110)
     plt.close(fig)
