@@ -312,6 +312,11 @@ class Bookkeeper:
             }
             print("SUMMARY " + json.dumps(summary))
         self.tracker.close()
+        # an orderly exit: a process that leaves with a live gloo/NCCL group while another still writes can abort in
+        # teardown ("terminate called without an active exception"), and the launcher then kills the writer
+        if run.world > 1:
+            run.accelerator.wait_for_everyone()
+            torch.distributed.destroy_process_group()
 
 
 def sample_rows(
