@@ -34,6 +34,8 @@ import math
 import statistics
 from collections import defaultdict
 
+from benchmarks.collect import mean_std, pyplot, series  # the suite tables' own formatting and plotting helpers
+
 FIT_MIN_POINTS = 6  # evaluations after step 0 needed to attempt a fit (3 free parameters)
 
 
@@ -94,15 +96,6 @@ def judge(claim: dict, runs: list[dict]) -> dict:
     return result | {"treatment": arms["treatment"], "control": arms["control"]}
 
 
-def mean_sd(values, digits: int) -> str:
-    values = list(values)
-    if not values:
-        return "–"
-    if len(values) == 1:
-        return f"{values[0]:.{digits}f}"
-    return f"{statistics.mean(values):.{digits}f} ± {statistics.stdev(values):.{digits}f}"
-
-
 def describe_test(claim: dict) -> str:
     """The pre-registered test in words, from the claim's fields (so the table cannot drift from what was applied)."""
     how = {
@@ -136,8 +129,8 @@ def claims_table(claims: list[dict], runs: list[dict]) -> tuple[str, list[dict]]
             f"{result['effect']:+.{digits}f} ± {result['se']:.{digits}f} (SE)" if result["effect"] is not None else "–"
         )
         measured = (
-            f"{claim['treatment']}: {mean_sd(result['treatment'].values(), digits)}; "
-            f"{claim['control']}: {mean_sd(result['control'].values(), digits)}; "
+            f"{claim['treatment']}: {mean_std(list(result['treatment'].values()), digits)}; "
+            f"{claim['control']}: {mean_std(list(result['control'].values()), digits)}; "
             f"paired effect {effect}, n = {result['n']}"
         )
         lines.append(
@@ -231,15 +224,15 @@ def fits_table(runs: list[dict]) -> tuple[str, dict[str, list[dict]]]:
         ok = [f for f in fs if f["identified"]]
         reasons = [f["why"] for f in fs if not f["identified"]]
         lines.append(
-            f"| {label} | {mean_sd([f['R0'] for f in fs], 3)} | {mean_sd([f['A'] for f in ok], 3)} "
-            f"| {mean_sd([f['B'] for f in ok], 2)} | {mean_sd([f['C_mid'] for f in ok], 0)} "
+            f"| {label} | {mean_std([f['R0'] for f in fs], 3)} | {mean_std([f['A'] for f in ok], 3)} "
+            f"| {mean_std([f['B'] for f in ok], 2)} | {mean_std([f['C_mid'] for f in ok], 0)} "
             f"| {len(ok)}/{len(fs)} | {reasons[0] if reasons else ''} |"
         )
     return ("\n".join(lines) if fits else ""), fits
 
 
 # ------------------------------------------------------------------------------------------------- plots
-def plot_claims(claims: list[dict], results: list[dict], runs: list[dict], series, pyplot, out) -> None:
+def plot_claims(claims: list[dict], results: list[dict], runs: list[dict], out) -> None:
     """One panel per claim: the metric's key for both arms over steps (mean ± std over the judging seeds)."""
     plt = pyplot()
     cols = 3
@@ -274,7 +267,7 @@ def plot_claims(claims: list[dict], results: list[dict], runs: list[dict], serie
     )
 
 
-def plot_fits(fits: dict[str, list[dict]], pyplot, out) -> None:
+def plot_fits(fits: dict[str, list[dict]], out) -> None:
     """Held-out score against compute with each identified fit, one panel per label."""
     import numpy as np
 

@@ -362,12 +362,12 @@ def update_docs(markdown: str) -> list[str]:
     return changed
 
 
-def claims_section(claims: list[dict], runs: list[dict], out: Path) -> str:
-    """The claims table (pre-registered tests and verdicts), the ScaleRL fits, and their plots."""
-    from benchmarks.claims import claims_table, fits_table, plot_claims, plot_fits
+def claims_section(claims: list[dict], runs: list[dict], out: Path) -> tuple[str, str]:
+    """The claims table (pre-registered tests and verdicts) and the ScaleRL fits ('' if none), with their plots."""
+    from benchmarks.claims import claims_table, fits_table, plot_claims, plot_fits  # imports this module's helpers
 
     table_md, results = claims_table(claims, runs)
-    plot_claims(claims, results, runs, series, pyplot, out / "claims.png")
+    plot_claims(claims, results, runs, out / "claims.png")
     reproduced = sum(r["verdict"] == "reproduced" for r in results)
     text = (
         f"{table_md}\n\n{reproduced} of {len(claims)} claims reproduced. Test (fixed before the judging runs, "
@@ -375,19 +375,17 @@ def claims_section(claims: list[dict], runs: list[dict], out: Path) -> str:
         "of d exceeds 2 standard errors, not reproduced if mean + 2 SE is below the claim's smallest effect of "
         "interest, else inconclusive. Per-seed values: runs.csv and claims.json.\n\n![claims](claims.png)"
     )
-    (out / "claims.json").write_text(
-        json.dumps([{"id": c["id"], **{k: v for k, v in r.items()}} for c, r in zip(claims, results)], indent=1)
-    )
+    (out / "claims.json").write_text(json.dumps([{"id": c["id"], **r} for c, r in zip(claims, results)], indent=1))
     fit_md, fits = fits_table(runs)
-    if fit_md:
-        plot_fits(fits, pyplot, out / "fits.png")
-        text += (
-            "\n\n### Where each run is heading: ScaleRL's compute fit\n\n"
-            "R(C) = R0 + (A - R0) / (1 + (C_mid / C)^B) fitted to each run's held-out mean@n against completion "
-            "tokens generated (R0 = the step-0 score); mean ± std over the seeds whose fit is identified.\n\n"
-            f"{fit_md}\n\n![fits](fits.png)"
-        )
-    return text
+    if not fit_md:
+        return text, ""
+    plot_fits(fits, out / "fits.png")
+    return text, (
+        "### Where each run is heading: ScaleRL's compute fit\n\n"
+        "R(C) = R0 + (A - R0) / (1 + (C_mid / C)^B) fitted to each run's held-out mean@n against completion "
+        "tokens generated (R0 = the step-0 score); mean ± std over the seeds whose fit is identified.\n\n"
+        f"{fit_md}\n\n![fits](fits.png)"
+    )
 
 
 def main() -> None:
@@ -411,9 +409,9 @@ def main() -> None:
         writer.writerows({k: r[k] for k in fields} for r in runs)
     markdown = table(runs, args.suite)
     manifest = tomllib.loads((REPO / "benchmarks" / "suites" / f"{args.suite}.toml").read_text())
-    claims_md = claims_section(manifest["claims"], runs, out) if manifest.get("claims") else ""
+    claims_md, fits_md = claims_section(manifest["claims"], runs, out) if manifest.get("claims") else ("", "")
     if claims_md:
-        markdown = claims_md + "\n\n## Every run\n\n" + markdown
+        markdown = "\n\n".join(filter(None, (claims_md, fits_md, "## Every run", markdown)))
     comparison = peer_comparison(runs)
     if comparison:
         markdown += "\n\n" + comparison
@@ -422,7 +420,7 @@ def main() -> None:
         markdown += "\n\n" + scaling_table + "\n\n![scaling](scaling.png)"
     (out / "table.md").write_text(markdown + "\n")
     plot(runs, out / "curves.png", args.suite)
-    readme_text = markdown if not claims_md else claims_md.split("\n\n### Where")[0]  # the README shows the verdicts
+    readme_text = claims_md or markdown  # a claims suite's README block is its verdicts
     for png in ("scaling.png", "claims.png", "fits.png"):
         readme_text = readme_text.replace(f"]({png})", f"](benchmarks/results/{args.suite}/{png})")
     if not claims_md:

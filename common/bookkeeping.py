@@ -80,7 +80,7 @@ def rollout_stats(
     return {
         "train/reward": rewards.mean().item(),
         "train/accuracy": correct.mean().item(),
-        "train/response_len": completion_mask.sum(-1).mean().item(),
+        "train/response_len": lengths.mean().item(),
         "train/response_len_correct": ((lengths * right).sum() / right.sum().clamp(min=1)).item(),
         "train/response_len_incorrect": ((lengths * (1 - right)).sum() / (1 - right).sum().clamp(min=1)).item(),
         "train/truncation_rate": sum(c.finish_reason == "length" for c in completions) / len(completions),

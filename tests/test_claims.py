@@ -3,7 +3,6 @@ test and the ScaleRL fit (benchmarks/claims.py), on hand-derived values."""
 
 import math
 import re
-import sys
 
 import numpy as np
 import pytest
@@ -167,8 +166,7 @@ def test_sigmoid_fit_says_unidentified_when_the_curve_has_not_bent():
 
 # ---------------------------------------------------------------------------------------------- run.py setup
 def test_suite_setup_runs_once_and_fails_loudly(tmp_path):
-    sys.path.insert(0, "benchmarks")
-    import run as bench_run
+    from benchmarks import run as bench_run
 
     target = tmp_path / "built.txt"
     make = ["-c", f"import pathlib; pathlib.Path({str(target)!r}).write_text('x')"]
@@ -184,8 +182,7 @@ def test_suite_setup_runs_once_and_fails_loudly(tmp_path):
 
 
 def test_claims_section_writes_verdicts_json_and_plots(tmp_path):
-    sys.path.insert(0, "benchmarks")
-    import collect
+    from benchmarks import collect
 
     def fake_run(label, seed, level):
         rows = [{"step": 0, "eval/t/mean@4": 0.3}]
@@ -199,7 +196,8 @@ def test_claims_section_writes_verdicts_json_and_plots(tmp_path):
     runs = [fake_run("a", s, 0.5) for s in (1, 2, 3)] + [fake_run("b", s, 0.2) for s in (1, 2, 3)]
     claim = {"id": "x", "name": "X", "claim": "a beats b", "evidence": "e", "treatment": "a", "control": "b"}
     claims = [claim | {"metric": "m", "reduce": "mean", "steps": [1, 40], "direction": "higher", "min_effect": 0.1}]
-    text = collect.claims_section(claims, runs, tmp_path)
+    verdicts, fits_md = collect.claims_section(claims, runs, tmp_path)
+    text = verdicts + fits_md
     assert "| **X**: a beats b |" in text and "**reproduced**" in text and "1 of 1 claims reproduced" in text
     assert "paired effect +0.300 ± 0.000 (SE), n = 3" in text
     assert (tmp_path / "claims.png").stat().st_size > 0 and (tmp_path / "fits.png").stat().st_size > 0
