@@ -104,7 +104,7 @@ class Args:
     temperature: float = 1.0
     """sampling temperature, also applied to the trainer's logits so log-probs match the sampler"""
     top_p: float = 1.0
-    """nucleus sampling threshold for rollouts"""
+    """nucleus threshold of training rollouts: must be 1 (the trainer's log-probs are of the full distribution)"""
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     """rollout engine settings"""
     # optimisation
@@ -151,6 +151,8 @@ class Args:
     """recompute the process rewards with the updated PRM ('double forward'; default: the PRM's training forward)"""
     process_reward_norm: Literal["batch_norm", "none"] = "batch_norm"
     """scale r_φ by the batch's largest |reverse cumulative sum| (PRIME's code, prime_norm); 'none' = the paper's r_φ"""
+    process_reward_zero_last: bool = False
+    """set each response's last-token r_φ to 0, as verl recipe/prime/prime_dp_rm.py does (PRIME's dp_prime.py: kept)"""
     filter_low: float = 0.2
     """keep a prompt's group only if its accuracy is >= this (PRIME: accuracy_lower_bound 0.2)"""
     filter_high: float = 0.8
@@ -172,10 +174,13 @@ class Args:
 
 # ALGO LOGIC: implicit rewards, PRM loss, advantages, prompt filter and loss (the functions tests import)
 def implicit_process_rewards(
-    prm_logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.Tensor, beta: float = 0.05
+    prm_logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.Tensor, beta: float = 0.05, zero_last=False
 ) -> torch.Tensor:
-    """Token rewards r_φ(y_t) = β·(log π_φ(y_t|y_<t) - log π_ref(y_t|y_<t)), (B, T), 0 on padding, no gradient."""
-    return (beta * (prm_logprobs - ref_logprobs) * mask.float()).detach()
+    """Token rewards r_φ(y_t) = β·(log π_φ(y_t|y_<t) - log π_ref(y_t|y_<t)), (B, T), 0 on padding, no gradient.
+
+    ``zero_last``: 0 also on each row's last masked token (verl's recipe; PRIME-RL/PRIME's dp_prime.py keeps it)."""
+    m = mask.float() * (mask.float().cumsum(-1) < mask.float().sum(-1, keepdim=True)) if zero_last else mask.float()
+    return (beta * (prm_logprobs - ref_logprobs) * m).detach()
 
 
 def normalize_process_rewards(process_rewards: torch.Tensor, all_reduce_max=None) -> torch.Tensor:
@@ -266,8 +271,7 @@ def policy_loss(
 
     logprobs (B,T) with grad; old_logprobs, ref_logprobs (B,T) detached; advantages (B,T) or (B,);
     mask (B,T) 1 on generated tokens (EOS included). ``num_tokens`` is the token count of the optimiser
-    mini-batch (default: the tokens passed in): passing it lets micro-batches accumulate to exactly the mini-batch loss.
-    """
+    mini-batch (default: the tokens passed in), so that micro-batches accumulate to exactly the mini-batch loss."""
     mask = mask.float()
     adv = advantages.unsqueeze(-1) if advantages.dim() == 1 else advantages
     log_ratio = (logprobs - old_logprobs).clamp(-20.0, 20.0)  # as verl: keeps exp finite
@@ -429,12 +433,7 @@ def main() -> None:
                             fp32_head=run.fp32_head,
                         )
                     loss = prm_loss(
-                        lp,
-                        ref_logprobs[rows],
-                        completion_mask[rows],
-                        correct[rows],
-                        args.prm_beta,
-                        num_sequences=prm_minibatch_size,
+                        lp, ref_logprobs[rows], completion_mask[rows], correct[rows], args.prm_beta, prm_minibatch_size
                     )
                     accelerator.backward(loss)
                 prm_logprobs[rows], prm_losses[-1] = lp.detach(), prm_losses[-1] + loss.item()
@@ -445,7 +444,9 @@ def main() -> None:
         if args.prm_double_forward:
             with torch.no_grad(), autocast():
                 prm_logprobs = token_logprobs_batched(prm, *logprob_args)
-        process_rewards = implicit_process_rewards(prm_logprobs, ref_logprobs, completion_mask, args.prm_beta)
+        process_rewards = implicit_process_rewards(
+            prm_logprobs, ref_logprobs, completion_mask, args.prm_beta, args.process_reward_zero_last
+        )
         if args.process_reward_norm == "batch_norm":  # the scale of PRIME's code, over the batch of every process
             process_rewards = normalize_process_rewards(process_rewards, lambda t: accelerator.gather(t[None]).max())
         advantages = compute_advantages(

@@ -34,7 +34,7 @@ import math
 import statistics
 from collections import defaultdict
 
-from benchmarks.collect import mean_std, pyplot, series  # the suite tables' own formatting and plotting helpers
+from benchmarks.reporting import mean_std, pyplot, series  # shared with collect.py, which imports this module
 
 FIT_MIN_POINTS = 6  # evaluations after step 0 needed to attempt a fit (3 free parameters)
 

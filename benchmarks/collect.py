@@ -3,7 +3,8 @@
     python benchmarks/collect.py tiny
 
 Reads runs/<suite>/*/{metrics.jsonl,config.json,bench.json} and writes benchmarks/results/<suite>/:
-    runs.csv       one row per run (every figure below comes from these rows)
+    runs.csv       one row per run (every figure below comes from these rows); its commands hold no absolute path
+                   (benchmarks/reporting.py: relative to the repo, or to a runs root outside it)
     table.md       mean ± std over seeds per algorithm, with hardware and commit
     curves.png     held-out accuracy vs step and vs wall-clock, train reward, response length, entropy,
                    clip / mask fraction; all algorithms overlaid, shaded ± std over seeds
@@ -29,11 +30,18 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+# one way: claims.py and reporting.py never import this module
+from benchmarks.claims import claims_table, fits_table, plot_claims, plot_fits  # noqa: E402
+from benchmarks.reporting import mean_std, portable_command, pyplot, series  # noqa: E402
+
 CLIP_KEYS = ("train/clip_frac", "train/masked_frac", "train/capped_frac")  # whichever the algorithm logs
 
 
 def read_run(run_dir: Path) -> dict | None:
-    """One finished run's rows and summary figures, or None if it did not finish."""
+    """One finished run's rows and summary figures, or None if it did not finish.
+
+    ``run_dir`` is ``<runs root>/<suite>/<run>``. Its recorded command is stored with no absolute path
+    (``reporting.portable_command``): paths in the repo relative to it, paths in the runs root relative to that."""
     bench, metrics = run_dir / "bench.json", run_dir / "metrics.jsonl"
     if not bench.exists() or not metrics.exists():
         return None
@@ -85,7 +93,7 @@ def read_run(run_dir: Path) -> dict | None:
         "hardware": config.get("hardware", ""),
         "commit": str(record.get("git_commit") or "")[:10],
         "dirty": record.get("git_dirty"),
-        "command": record["command"],
+        "command": portable_command(record["command"], runs_root=run_dir.parent.parent),
         "rows": rows,
         "eval_prefix": prefix,
     }
@@ -123,15 +131,6 @@ def sample_lengths(run_dir: Path, steps: int) -> tuple[float | None, float | Non
         )
         (right if ok else wrong).append(len(sample["completion"]))
     return (statistics.mean(right) if right else None), (statistics.mean(wrong) if wrong else None)
-
-
-def mean_std(values: list[float | None], digits: int = 3) -> str:
-    values = [v for v in values if v is not None]
-    if not values:
-        return "–"
-    if len(values) == 1:
-        return f"{values[0]:.{digits}f}"
-    return f"{statistics.mean(values):.{digits}f} ± {statistics.stdev(values):.{digits}f}"
 
 
 def table(runs: list[dict], suite: str) -> str:
@@ -173,16 +172,6 @@ def table(runs: list[dict], suite: str) -> str:
         f"Regenerate: `python benchmarks/run.py {suite} && python benchmarks/collect.py {suite}`.",
     ]
     return "\n".join(lines)
-
-
-def pyplot():
-    """matplotlib.pyplot on the file-only Agg back end (imported late: collecting a CSV needs no plotting)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
 
 
 def time_to_reach(run: dict, target: float) -> float | None:
@@ -277,22 +266,6 @@ def scaling(runs: list[dict], out: Path) -> str:
     return "\n".join(lines)
 
 
-def series(rs: list[dict], key: str, x: str = "step") -> tuple[list[float], list[float], list[float]]:
-    """Mean and std over seeds of ``key`` at each step where every seed logged it."""
-    per_seed = []
-    for r in rs:  # eval rows carry no clock: take the train time logged at the same step (0 before training)
-        clock = {row["step"]: row["time/elapsed_s"] for row in r["rows"] if "time/elapsed_s" in row}
-        per_seed.append({row["step"]: (row[key], clock.get(row["step"], 0.0)) for row in r["rows"] if key in row})
-    steps = sorted(set.intersection(*(set(s) for s in per_seed))) if per_seed else []
-    xs, means, stds = [], [], []
-    for step in steps:
-        values = [s[step][0] for s in per_seed]
-        xs.append(step if x == "step" else statistics.mean(s[step][1] for s in per_seed))
-        means.append(statistics.mean(values))
-        stds.append(statistics.stdev(values) if len(values) > 1 else 0.0)
-    return xs, means, stds
-
-
 def plot(runs: list[dict], out: Path, suite: str) -> None:
     plt = pyplot()
 
@@ -364,8 +337,6 @@ def update_docs(markdown: str) -> list[str]:
 
 def claims_section(claims: list[dict], runs: list[dict], out: Path) -> tuple[str, str]:
     """The claims table (pre-registered tests and verdicts) and the ScaleRL fits ('' if none), with their plots."""
-    from benchmarks.claims import claims_table, fits_table, plot_claims, plot_fits  # imports this module's helpers
-
     table_md, results = claims_table(claims, runs)
     plot_claims(claims, results, runs, out / "claims.png")
     reproduced = sum(r["verdict"] == "reproduced" for r in results)
@@ -388,6 +359,15 @@ def claims_section(claims: list[dict], runs: list[dict], out: Path) -> tuple[str
     )
 
 
+def write_runs_csv(runs: list[dict], path: Path) -> None:
+    """One row per run (``read_run``'s summary fields, in its order; not the logged rows) to ``path``."""
+    fields = [k for k in runs[0] if k not in ("rows", "eval_prefix")]
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=fields)
+        writer.writeheader()
+        writer.writerows({k: r[k] for k in fields} for r in runs)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("suite")
@@ -402,11 +382,7 @@ def main() -> None:
         )
     out = REPO / "benchmarks" / "results" / args.suite
     out.mkdir(parents=True, exist_ok=True)
-    fields = [k for k in runs[0] if k not in ("rows", "eval_prefix")]
-    with open(out / "runs.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=fields)
-        writer.writeheader()
-        writer.writerows({k: r[k] for k in fields} for r in runs)
+    write_runs_csv(runs, out / "runs.csv")
     markdown = table(runs, args.suite)
     manifest = tomllib.loads((REPO / "benchmarks" / "suites" / f"{args.suite}.toml").read_text())
     claims_md, fits_md = claims_section(manifest["claims"], runs, out) if manifest.get("claims") else ("", "")

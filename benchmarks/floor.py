@@ -31,6 +31,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+from benchmarks.reporting import portable_path  # noqa: E402
 from common.data import TINY_MODEL_DIR, format_prompt, load_problems  # noqa: E402
 from common.logprobs import token_logprobs  # noqa: E402
 from common.rollout import HFEngine, left_pad  # noqa: E402
@@ -144,7 +145,7 @@ def main() -> None:
         "hardware": hardware(),
         "torch_threads": torch.get_num_threads(),
         "bf16_autocast": bf16,
-        "config": vars(args),
+        "config": {**vars(args), "out": portable_path(args.out)},  # no machine path in committed results
         "batch": {
             "rows": rows,
             "prompt_tokens": prompt_ids.shape[1],

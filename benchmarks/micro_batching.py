@@ -28,6 +28,7 @@ from transformers import AutoModelForCausalLM
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+from benchmarks.reporting import portable_path  # noqa: E402
 from common.data import TINY_MODEL_DIR  # noqa: E402
 from common.logprobs import token_logprobs  # noqa: E402
 from common.tracking import hardware  # noqa: E402
@@ -93,7 +94,7 @@ def main() -> None:
     result = {
         "hardware": hardware(),
         "bf16_autocast": bf16,
-        "config": vars(args),
+        "config": {**vars(args), "out": portable_path(args.out)},  # no machine path in committed results
         "completion_lengths": lengths.tolist(),
         "real_tokens": real,
         "token_positions": counts,

@@ -23,6 +23,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+from benchmarks.reporting import portable_path  # noqa: E402
 from common.data import TINY_MODEL_DIR, format_prompt, load_problems  # noqa: E402
 from common.rollout import HFEngine, RolloutConfig  # noqa: E402
 from common.tracking import hardware  # noqa: E402
@@ -42,7 +43,12 @@ def main() -> None:
     model = AutoModelForCausalLM.from_pretrained(TINY_MODEL_DIR, dtype=torch.float32, attn_implementation="eager")
     problems = load_problems("arith", "train")[: args.prompts]
     prompts = [tokenizer(format_prompt(p["prompt"], "chat", tokenizer))["input_ids"] for p in problems]
-    results = {"hardware": hardware(), "torch_threads": torch.get_num_threads(), "config": vars(args), "engines": {}}
+    results = {
+        "hardware": hardware(),
+        "torch_threads": torch.get_num_threads(),
+        "config": {**vars(args), "out": portable_path(args.out)},
+        "engines": {},
+    }
     for name in args.engines:
         if name == "hf":
             engine = HFEngine(model, tokenizer)

@@ -181,6 +181,38 @@ def test_suite_setup_runs_once_and_fails_loudly(tmp_path):
         bench_run.setup({"setup": [{"creates": str(tmp_path / "never"), "command": ["-c", "raise SystemExit(3)"]}]})
 
 
+def benchmark_imports() -> dict[str, set[str]]:
+    """benchmarks/<module>.py -> the benchmarks modules it imports anywhere (function bodies included)."""
+    import ast
+    from pathlib import Path
+
+    folder = Path(__file__).resolve().parent.parent / "benchmarks"
+    names = {p.stem for p in folder.glob("*.py")}
+    graph = {}
+    for path in folder.glob("*.py"):
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                parts = node.module.split(".")
+                found |= {a.name for a in node.names} if parts == ["benchmarks"] else {parts[-1]}
+            elif isinstance(node, ast.Import):
+                found |= {a.name.split(".")[-1] for a in node.names}
+        graph[path.stem] = found & names - {path.stem}
+    return graph
+
+
+def test_benchmark_modules_import_one_way():
+    """collect.py imports claims.py and reporting.py; neither imports collect.py, and no import chain comes back."""
+    graph = benchmark_imports()
+    assert {"claims", "reporting"} <= graph["collect"] and graph["claims"] == {"reporting"} and not graph["reporting"]
+
+    def reaches(start: str, target: str, seen: set[str]) -> bool:
+        return any(n == target or (n not in seen and reaches(n, target, seen | {n})) for n in graph[start])
+
+    cycles = [m for m in graph if reaches(m, m, set())]
+    assert not cycles, f"import cycles through {cycles}: {graph}"
+
+
 def test_claims_section_writes_verdicts_json_and_plots(tmp_path):
     from benchmarks import collect
 

@@ -33,6 +33,20 @@ def test_process_rewards_are_beta_log_ratio_and_zero_at_init(prime):
     assert torch.equal(prime.implicit_process_rewards(prm, prm, mask), torch.zeros(2, 3))  # PRM == reference
 
 
+def test_zero_last_drops_only_each_responses_last_token_reward(prime):
+    """--process-reward-zero-last: verl's recipe/prime/prime_dp_rm.py writes token_level_score[i, :L-1] = r[i, :L-1]
+    (the last token's reward stays 0); off by default, as PRIME-RL/PRIME's dp_prime.py, which keeps it."""
+    prm = torch.tensor([[-1.0, -2.0, -0.5], [-0.3, -1.0, -9.0]])
+    ref = torch.tensor([[-1.5, -1.0, -0.1], [-0.5, -0.2, 0.0]])
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])  # row 1: last valid token at index 1, then padding
+    # log-ratios: row 0: 0.5, -1.0, -0.4; row 1: 0.2, -0.8 (padding ignored); β = 0.1
+    kept = prime.implicit_process_rewards(prm, ref, mask, beta=0.1)
+    assert torch.allclose(kept, torch.tensor([[0.05, -0.1, -0.04], [0.02, -0.08, 0.0]]))
+    zeroed = prime.implicit_process_rewards(prm, ref, mask, beta=0.1, zero_last=True)
+    assert torch.allclose(zeroed, torch.tensor([[0.05, -0.1, 0.0], [0.02, 0.0, 0.0]]))
+    assert prime.Args.process_reward_zero_last is False  # the default keeps today's behaviour
+
+
 @pytest.fixture(scope="module")
 def tiny_pair():
     tok = AutoTokenizer.from_pretrained(TINY_MODEL_DIR)

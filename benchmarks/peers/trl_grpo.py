@@ -207,12 +207,19 @@ def main() -> None:
         raise SystemExit(f"{run_dir} already holds a run (this peer script does not resume); choose another --run-name")
     seed_everything(args.seed)
 
-    # imported here so that --help works fast and the module imports without TRL installed
+    # imported here so that --help works fast and the module imports without TRL installed; outside the TRL peer's
+    # own environment the run stops with one line naming it, not a ModuleNotFoundError traceback
+    try:
+        import trl
+        from trl import GRPOConfig, GRPOTrainer
+    except ImportError as err:
+        raise SystemExit(
+            f"trl_grpo.py runs in the TRL peer environment, not this one ({err}): python -m venv .venv-trl && "
+            ".venv-trl/bin/pip install -r benchmarks/peers/requirements-trl.txt (see this script's docstring)"
+        ) from err
     import datasets
     import transformers
-    import trl
     from transformers import AutoModelForCausalLM, AutoTokenizer, PrinterCallback, TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
 
     transformers.logging.set_verbosity_warning()
     datasets.disable_progress_bars()
