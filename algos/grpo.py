@@ -95,7 +95,7 @@ class Args:
     temperature: float = 1.0
     """sampling temperature, also applied to the trainer's logits so log-probs match the sampler"""
     top_p: float = 1.0
-    """nucleus sampling threshold for rollouts"""
+    """nucleus threshold of training rollouts: must be 1 (the trainer's log-probs are of the full distribution)"""
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     """rollout engine settings"""
     # optimisation

@@ -26,7 +26,7 @@ import torch
 from tqdm.auto import tqdm
 
 from common.data import prompt_batch
-from common.evaluate import evaluate
+from common.evaluate import EVAL_SEED, describe_protocol, evaluate
 from common.rollout import Completion, left_pad
 from common.runtime import Run, Task, encode_prompts
 from common.sharding import gather_state, restore_state, save_pretrained_full
@@ -120,6 +120,7 @@ class Bookkeeper:
         self.progress = None
         self.step = 0  # the step in progress (0-based)
         self.prompt_indices: list[int] = []  # training-set indices of this process's prompts from next_prompts
+        run.accelerator.print(describe_protocol(task.eval_cfg, task.eval_name, task.eval_template, EVAL_SEED))
 
     def steps(self):
         """Resume from the latest checkpoint (with ``--resume``), evaluate the starting policy, then yield steps."""
@@ -147,8 +148,11 @@ class Bookkeeper:
                     self.stop_signal.append(signum) if not self.stop_signal else sys.exit(128 + signum)
                 ),
             )
-        self.first_eval = self.evaluate(self.start_step) if self.start_step == 0 else {}
-        self.last_eval = self.first_eval
+        if self.start_step == 0:
+            self.first_eval = self.last_eval = self.evaluate(0)
+        else:  # resumed: the run's step-0 and latest evaluations as logged (main process; the others get {})
+            self.first_eval = self.tracker.logged(0, "eval/")
+            self.last_eval = self.tracker.logged(self.start_step, "eval/")
         self.progress = tqdm(
             range(self.start_step, args.total_steps),
             initial=self.start_step,
@@ -265,7 +269,7 @@ class Bookkeeper:
             task.eval_info.reward_fn,
             task.eval_template,
             task.eval_cfg,
-            seed=12345,
+            seed=EVAL_SEED,
             name=task.eval_name,
             stop=task.eval_stop,
             max_prompt_tokens=run.max_prompt_tokens,

@@ -71,27 +71,35 @@ def resolve_model_path(name_or_path: str) -> str:
 def validate_rows(rows: list[dict], dataset: str, line_numbers: list[int] | None = None) -> list[Problem]:
     """Check every row has non-empty string ``prompt`` and ``answer`` (and string ``solution`` if present).
 
-    Raises ValueError naming the dataset, the row index and the field, so a bad row never trains silently.
-    ``line_numbers`` (1-based, one per row) adds the file line to the message, e.g. ``row 2 (line 4)``.
+    An integer ``answer`` (some AIME copies store it so) becomes its decimal string, as in the hub mappers; a bool or
+    float does not. Raises ValueError naming the dataset, the row index and the field, so a bad row never trains
+    silently. ``line_numbers`` (1-based, one per row) adds the file line to the message, e.g. ``row 2 (line 4)``.
     """
     problems = []
     for index, row in enumerate(rows):
         i = f"{index} (line {line_numbers[index]})" if line_numbers else index
         if not isinstance(row, dict):
             raise ValueError(f"dataset {dataset!r}, row {i}: expected an object, got {type(row).__name__}")
+        values = {}
         for field in ("prompt", "answer"):
             if field not in row:
                 raise ValueError(f"dataset {dataset!r}, row {i}: missing field {field!r}")
-            if not isinstance(row[field], str):
+            value = row[field]
+            # an int's decimal string is exact; a float's repr ("1e-05", "0.30000000000000004") need not be the gold
+            if field == "answer" and isinstance(value, int) and not isinstance(value, bool):
+                value = str(value)
+            if not isinstance(value, str):
+                kind = "a string or an integer" if field == "answer" else "a string"
                 raise ValueError(
-                    f"dataset {dataset!r}, row {i}: field {field!r} must be a string, got {type(row[field]).__name__}"
+                    f"dataset {dataset!r}, row {i}: field {field!r} must be {kind}, got {type(value).__name__}"
                 )
-            if not row[field].strip():
+            if not value.strip():
                 raise ValueError(f"dataset {dataset!r}, row {i}: field {field!r} is empty")
+            values[field] = value
         solution = row.get("solution", "")
         if not isinstance(solution, str):
             raise ValueError(f"dataset {dataset!r}, row {i}: field 'solution' must be a string")
-        problems.append({"prompt": row["prompt"], "answer": row["answer"].strip(), "solution": solution})
+        problems.append({"prompt": values["prompt"], "answer": values["answer"].strip(), "solution": solution})
     if not problems:
         raise ValueError(f"dataset {dataset!r} is empty")
     return problems
@@ -162,11 +170,12 @@ DATASETS.update(
 )
 
 
-def dataset_info(name: str) -> DatasetInfo:
+def dataset_info(name: str, flag: str = "--dataset") -> DatasetInfo:
     """The registry entry for ``name``; ``jsonl:<path>`` is scored with the math verifier.
 
     ``math:3-5`` (any hub set with MATH levels, i.e. ``math`` and ``math500``) is that dataset
-    restricted to the given difficulty levels.
+    restricted to the given difficulty levels. An unknown name exits (``SystemExit``) with a one-line message
+    naming ``flag`` (the command-line flag it came from), the known names and the ``jsonl:<path>`` form.
     """
     if name.startswith("jsonl:"):
         path = name[len("jsonl:") :]
@@ -183,8 +192,8 @@ def dataset_info(name: str) -> DatasetInfo:
         )
     if name not in DATASETS:
         levelled = [n for n, s in HUB_SOURCES.items() if s.has_levels]
-        raise ValueError(
-            f"unknown dataset {name!r}; choose one of {sorted(DATASETS)}, 'jsonl:<path>', "
+        raise SystemExit(  # a mistyped flag, not a bug: the message says it all, a traceback would bury it
+            f"{flag}: unknown dataset {name!r}; choose one of {sorted(DATASETS)}, 'jsonl:<path>', "
             f"or a level filter such as 'math:3-5' (for {levelled})"
         )
     return DATASETS[name]
@@ -230,6 +239,15 @@ TEMPLATES = ("chat", "qwen-math", "r1-zero", "plain", "dapo")
 # text that ends a completion under a template, besides the stop tokens (EOS, the chat template's end of turn):
 # r1-zero's answer closes with a tag, not a token (oat and the R1-zero recipes stop there; the tag stays in the text)
 STOP_STRINGS = {"r1-zero": ("</answer>",)}
+
+
+def check_template(template: str, flag: str = "--template") -> None:
+    """Exit (``SystemExit``) with a one-line message naming ``flag`` and the known templates if ``template`` is unknown.
+
+    Scripts call it when they load their task, so a mistyped template stops the run before any model loads.
+    """
+    if template not in TEMPLATES:
+        raise SystemExit(f"{flag}: unknown template {template!r}; choose one of {list(TEMPLATES)}")
 
 
 def format_prompt(prompt: str, template: str, tokenizer) -> str:

@@ -21,6 +21,9 @@ from tqdm.auto import tqdm
 
 from common.rollout import RolloutConfig, prompt_seeds
 
+EVAL_SEED = 12345  # the sampling seed of every held-out evaluation, during training and from the command line
+TRAINING_MAX_NEW_TOKENS = 40  # the scripts' --max-new-tokens default: the token budget when nothing else sets one
+
 
 @dataclass
 class EvalConfig:
@@ -39,11 +42,21 @@ class EvalConfig:
     top_p: float = 1.0
     """nucleus sampling threshold of the n samples"""
     max_new_tokens: int = 0
-    """token budget per completion (0 = the training max_new_tokens)"""
+    """token budget per completion (0 = the training run's --max-new-tokens)"""
     max_problems: int = 200
     """evaluate on at most this many problems (0 = all), always the first ones, so runs compare"""
     greedy: bool = True
     """also score one greedy (temperature 0) completion per problem"""
+
+
+def describe_protocol(cfg: EvalConfig, name: str, template: str, seed: int) -> str:
+    """One line stating how ``name`` is evaluated, printed by training runs and by ``python -m common.evaluate``."""
+    greedy = " + 1 greedy" if cfg.greedy else ""
+    problems = f"first {cfg.max_problems} problems" if cfg.max_problems else "all problems"
+    return (
+        f"eval protocol: {name} ({problems}), template {template}, n {cfg.n}{greedy}, pass@k k {list(cfg.k)}, "
+        f"temperature {cfg.temperature}, top_p {cfg.top_p}, max_new_tokens {cfg.max_new_tokens}, seed {seed}"
+    )
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -145,34 +158,53 @@ class EvalArgs:
     """dataset name (see common/data.py) or jsonl:<path>"""
     split: str = ""
     """split to evaluate ('' = the dataset's held-out split)"""
-    eval: EvalConfig = field(default_factory=lambda: EvalConfig(max_new_tokens=64))
-    """the evaluation protocol"""
-    seed: int = 0
-    """sampling seed"""
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    """the evaluation protocol (--eval.max-new-tokens 0 = the run's --max-new-tokens from the config.json beside the
+    model folder, as in runs/<name>/final, else the scripts' default of 40: the training-time protocol either way)"""
+    seed: int = EVAL_SEED
+    """sampling seed (the one training-time evaluation uses)"""
     device: str = "auto"
     """'auto', 'cpu' or 'cuda'"""
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     """generation engine ('auto' = vLLM on a CUDA machine with vllm installed, else Hugging Face)"""
 
 
-def main() -> None:
+def run_token_budget(model_path: str) -> int:
+    """The ``max_new_tokens`` a model folder was trained with: read from the run's ``config.json`` one level up
+    (``runs/<name>/final`` beside ``runs/<name>/config.json``), else ``TRAINING_MAX_NEW_TOKENS``."""
     import json
+    from pathlib import Path
+
+    run_config = Path(model_path).parent / "config.json"
+    try:
+        recorded = json.loads(run_config.read_text())
+        return int(recorded.get("eval", {}).get("max_new_tokens") or recorded["max_new_tokens"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return TRAINING_MAX_NEW_TOKENS
+
+
+def main() -> None:
+    import dataclasses
+    import json
+    import sys
 
     import torch
     import tyro
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from common.data import STOP_STRINGS, dataset_info, format_prompt, load_problems, resolve_model_path
+    from common.data import STOP_STRINGS, check_template, dataset_info, format_prompt, load_problems, resolve_model_path
     from common.rollout import make_engine
 
     args = tyro.cli(EvalArgs)
+    info = dataset_info(args.dataset)  # names are checked before any weights load
+    template = args.eval.template or info.default_template
+    check_template(template, "--eval.template")
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
     path = resolve_model_path(args.model)
+    args.eval = dataclasses.replace(args.eval, max_new_tokens=args.eval.max_new_tokens or run_token_budget(path))
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path).to(device)
-    info = dataset_info(args.dataset)
     problems = load_problems(args.dataset, args.split or info.eval_split)
-    template = args.eval.template or info.default_template
     if args.eval.max_problems:
         problems = problems[: args.eval.max_problems]
     longest_prompt = max(len(tokenizer(format_prompt(p["prompt"], template, tokenizer))["input_ids"]) for p in problems)
@@ -185,6 +217,7 @@ def main() -> None:
         )
     engine = make_engine(args.rollout, model, tokenizer, path, args.seed, max_model_len=max_model_len)
     stop = STOP_STRINGS.get(template, ())
+    print(describe_protocol(args.eval, args.dataset, template, args.seed), file=sys.stderr)
     metrics = evaluate(engine, tokenizer, problems, info.reward_fn, template, args.eval, args.seed, args.dataset, stop)
     print(
         json.dumps({"model": args.model, "dataset": args.dataset, "protocol": vars(args.eval), **metrics}, default=list)

@@ -81,6 +81,7 @@ def token_logprobs(
             attention_mask=attention_mask,
             position_ids=position_ids,
             logits_to_keep=completion_width + 1,
+            use_cache=False,  # a scoring pass: no KV cache to build (and none is allowed with checkpointing)
         ).logits[:, :-1]
         return _padded(
             _chunked(_logprobs_from_logits, logits, targets, temperature, with_entropy, chunk_size), full_width
@@ -94,7 +95,11 @@ def token_logprobs(
     hook = inner.get_decoder().register_forward_hook(lambda module, args, output: hidden.append(output[0]))
     try:
         last_logits = model(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, logits_to_keep=1
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            logits_to_keep=1,
+            use_cache=False,
         ).logits
     finally:
         hook.remove()

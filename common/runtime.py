@@ -29,7 +29,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from common.data import STOP_STRINGS, DatasetInfo, dataset_info, format_prompt, load_problems, resolve_model_path
 from common.evaluate import EvalConfig
-from common.memory import check_memory_plan
+from common.memory import LOCAL_CONFIGS, check_memory_plan, local_config
 from common.rollout import use_fp32_head
 from common.sharding import shard_model
 from common.tracking import latest_checkpoint, seed_everything
@@ -77,15 +77,13 @@ def start_run(args) -> Run:
                 "(the tiny default 1e-4 would wreck a 1.5B model; papers use ~1e-6)"
             )
         args.learning_rate = 1e-4
-    if args.temperature <= 0:
-        raise SystemExit("--temperature must be > 0 for training rollouts (log-probs are of logits / temperature)")
+    check_sampling_flags(args)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # the fast tokenizer's threads would fight the trainer's
     use_cuda = check_device(args)
     # a generous collective timeout: rank 0 alone writes checkpoints while the others wait (NCCL's default is 10 min)
     timeout = InitProcessGroupKwargs(timeout=datetime.timedelta(minutes=args.dist_timeout_minutes))
     accelerator = Accelerator(cpu=not use_cuda, kwargs_handlers=[timeout])
     rank, world = accelerator.process_index, accelerator.num_processes
-    accelerator.print(f"{world} process(es), {accelerator.distributed_type.value}, device {accelerator.device}")
     if args.prompts_per_step % world:
         raise SystemExit(
             f"--prompts-per-step {args.prompts_per_step} must be divisible by the number of processes ({world})"
@@ -100,12 +98,15 @@ def start_run(args) -> Run:
         )
     args.run_name = args.run_name or f"{args.exp_name}__{args.dataset.replace('/', '_')}__{args.seed}"
     run_dir = Path(args.output_dir) / args.run_name
+    model_path = resolve_model_path(args.model)
+    # --dry-run plans from a config.json alone: a hub id of common/model_configs' table needs no network
+    config_path = (local_config(model_path) or model_path) if args.dry_run else model_path
+    max_prompt_tokens, max_model_len = context_budget(args, config_path)
+    # --dry-run prints the per-GPU memory plan and exits, before the run folder is claimed: it writes nothing and
+    # works beside an existing run; a CUDA run that cannot fit stops before any weights load
+    check_memory_plan(args, config_path, max_model_len, world, use_cuda, accelerator.print)
     if run_dir.exists() and not args.resume and latest_checkpoint(run_dir) is not None:
         raise SystemExit(f"{run_dir} already holds a run; pass --resume to continue it or choose another --run-name")
-    model_path = resolve_model_path(args.model)
-    max_prompt_tokens, max_model_len = context_budget(args, model_path)
-    # --dry-run prints the per-GPU memory plan and exits; a CUDA run that cannot fit stops before any weights load
-    check_memory_plan(args, model_path, max_model_len, world, use_cuda, accelerator.print)
     if args.fsdp and world == 1:
         raise SystemExit(
             "--fsdp shards the models over processes, and this run has one: launch it with torchrun or accelerate "
@@ -119,6 +120,7 @@ def start_run(args) -> Run:
     else:
         native_bf16 = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
     use_bf16 = args.mixed_precision == "bf16" or (args.mixed_precision == "auto" and native_bf16)
+    accelerator.print(describe_processes(world, accelerator.distributed_type.value, args.fsdp, use_bf16, device))
     return Run(
         accelerator=accelerator,
         rank=rank,
@@ -137,6 +139,49 @@ def start_run(args) -> Run:
         fsdp=args.fsdp,
         fsdp_offload=args.fsdp_offload,
     )
+
+
+def check_sampling_flags(args) -> None:
+    """Stop with a message naming the flag when the training sampler's settings are unusable.
+
+    * ``--temperature`` in (0, 2]: log-probs are of logits / temperature, and vLLM's ``SamplingParams`` rejects a
+      temperature above 2, so every backend takes the same range.
+    * ``--top-p 1``: the sampler's log-probs are renormalised over the nucleus while the trainer's are of the full
+      distribution, which skews every ratio and the logged log-prob gap; a trainer-side nucleus would give a sampled
+      token outside the trainer's own nucleus a log-prob of -inf. TRL and verl train at top_p 1 as well.
+      Evaluation may use any top-p (``--eval.top-p``).
+    """
+    if not 0 < args.temperature <= 2:
+        raise SystemExit(
+            f"--temperature {args.temperature}: training rollouts need 0 < temperature <= 2 (log-probs are of "
+            "logits / temperature; vLLM rejects a temperature above 2)"
+        )
+    if args.top_p != 1.0:
+        raise SystemExit(
+            f"--top-p {args.top_p}: training samples at top_p 1 (the sampler's nucleus log-probs would not match the "
+            "trainer's full-distribution log-probs, skewing every importance ratio); --eval.top-p sets evaluation's"
+        )
+
+
+def describe_processes(world: int, distributed_type: str, fsdp: bool, bf16: bool, device: torch.device) -> str:
+    """The start-up line in words, e.g. ``1 process, not distributed, bf16 autocast off, device cpu``."""
+    processes = f"{world} process" + ("es" if world > 1 else "")
+    layout = "not distributed" if world == 1 else ("FSDP2-sharded" if fsdp else "data-parallel (DDP)")
+    layout += "" if world == 1 else f" over {'NCCL' if device.type == 'cuda' else 'gloo'} ({distributed_type})"
+    return f"{processes}, {layout}, bf16 autocast {'on' if bf16 else 'off'}, device {device}"
+
+
+def load_config(model_path: str):
+    """``model_path``'s transformers config; a config that cannot be read (offline, or no such hub id) stops with a
+    message naming the local folders that would do (``--dry-run`` plans from a folder holding config.json alone)."""
+    try:
+        return AutoConfig.from_pretrained(model_path)
+    except OSError as error:
+        raise SystemExit(
+            f"--model {model_path}: cannot read its config.json ({str(error).splitlines()[0]}). Pass a local folder "
+            "holding the model (for --dry-run, config.json alone is enough); common/model_configs holds the configs "
+            f"of {', '.join(sorted(LOCAL_CONFIGS))}"
+        ) from None
 
 
 def check_device(args) -> bool:
@@ -180,7 +225,7 @@ def context_budget(args, model_path: str) -> tuple[int, int]:
     the flags.
     """
     budget = max(args.max_new_tokens, args.eval.max_new_tokens)
-    limit = getattr(AutoConfig.from_pretrained(model_path), "max_position_embeddings", None) or 1 << 62
+    limit = getattr(load_config(model_path), "max_position_embeddings", None) or 1 << 62
     requested = args.rollout.max_model_len or args.max_prompt_tokens + budget
     if requested > limit and args.rollout.max_model_len:
         raise SystemExit(
@@ -212,19 +257,43 @@ def load_model(
 ) -> torch.nn.Module:
     """A copy of the base model on this process's device, in the run's dtype and attention implementation.
 
-    ``frozen``: eval mode, no gradients (a reference model). ``gradient_checkpointing``: recompute each layer in
-    the backward pass. ``model_cls`` and ``kwargs`` go to ``from_pretrained`` (e.g. a critic's token classifier).
+    A trained model comes back in train mode (transformers checkpoints a layer only when ``gradient_checkpointing
+    and training``); ``frozen``: eval mode, no gradients (a reference model). Every dropout probability of the config
+    is set to 0 either way: each RL quantity (ratios, the sampler/trainer gap, old and reference log-probs) assumes
+    the same forward gives the same log-probs, in train mode as in eval mode. ``gradient_checkpointing``: recompute
+    each layer in the backward pass. ``model_cls`` and ``kwargs`` go to ``from_pretrained`` (e.g. a critic's token
+    classifier).
     Under ``--fsdp`` the model comes back sharded per decoder layer over the processes (``common/sharding.py``):
     build its optimiser after this call.
     """
+    config = kwargs.pop("config", None) or load_config(run.model_path)
+    zero_dropout(config)
     model = model_cls.from_pretrained(
-        run.model_path, dtype=run.dtype, attn_implementation=run.attn_implementation, **kwargs
+        run.model_path, config=config, dtype=run.dtype, attn_implementation=run.attn_implementation, **kwargs
     ).to(run.device)
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if frozen:
         model.eval().requires_grad_(False)
+    else:
+        model.train()
     return shard_model(model, run.fsdp_offload) if run.fsdp else model
+
+
+def zero_dropout(config) -> list[str]:
+    """Set every dropout probability of ``config`` and of its text sub-config to 0 in place; returns the names set.
+
+    Numeric attributes named ``*dropout*`` or ``*_pdrop`` (Qwen2: ``attention_dropout``; a token classifier:
+    ``classifier_dropout``; GPT-2: ``resid_pdrop``, ...). A layer that reads none of them has no dropout to turn off.
+    """
+    changed = []
+    for cfg in {id(config): config, id(config.get_text_config()): config.get_text_config()}.values():
+        for name, value in vars(cfg).items():
+            numeric = isinstance(value, (int, float)) and not isinstance(value, bool)
+            if ("dropout" in name or name.endswith("_pdrop")) and numeric:
+                setattr(cfg, name, 0.0)
+                changed.append(name)
+    return changed
 
 
 @dataclass
@@ -244,12 +313,19 @@ class Task:
 
 
 def load_task(args) -> Task:
-    """Load ``--dataset``'s train split and the held-out set (``--eval.dataset``, default the same dataset)."""
-    train_info = dataset_info(args.dataset)
+    """Load ``--dataset``'s train split and the held-out set (``--eval.dataset``, default the same dataset).
+
+    An unknown dataset or template name exits with a one-line message naming its flag before any data loads.
+    """
+    from common.data import check_template
+
+    train_info = dataset_info(args.dataset, "--dataset")
     eval_name = args.eval.dataset or args.dataset
-    eval_info = dataset_info(eval_name)
+    eval_info = dataset_info(eval_name, "--eval.dataset" if args.eval.dataset else "--dataset")
     template = args.template or train_info.default_template
     eval_template = args.eval.template or eval_info.default_template
+    check_template(template, "--template")
+    check_template(eval_template, "--eval.template")
     return Task(
         train_info=train_info,
         train_problems=load_problems(args.dataset, "train"),

@@ -8,7 +8,8 @@
         final/               the trained model in Hugging Face format (loadable by from_pretrained)
 
 Checkpoints are written to a temporary folder and renamed into place, so a crash while saving never
-corrupts the last good one. With ``--track`` the same keys go to wandb (``WANDB_MODE=offline`` works).
+corrupts the last good one; they hold tensors and plain values only, and are loaded without unpickling anything else
+(a tampered file cannot run code). With ``--track`` the same keys go to wandb (``WANDB_MODE=offline`` works).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import pickle
 import platform
 import random
 import shutil
@@ -110,6 +112,19 @@ class Tracker:
                 kept = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
                 path.write_text("".join(line + "\n" for line in kept))
 
+    def logged(self, step: int, prefix: str = "") -> dict[str, float]:
+        """The metrics ``metrics.jsonl`` holds for ``step`` whose names start with ``prefix``, merged over that step's
+        rows (a later row wins a name logged twice); {} when none, or on a process whose tracker is disabled."""
+        path = self.run_dir / "metrics.jsonl"
+        if not self.enabled or not path.exists():
+            return {}
+        merged = {}
+        for line in path.read_text().splitlines():
+            row = json.loads(line) if line else {}
+            if row.get("step") == step:
+                merged |= {k: v for k, v in row.items() if k.startswith(prefix) and k not in ("step", "time")}
+        return merged
+
     def close(self) -> None:
         if self.wandb is not None:
             self.wandb.finish()
@@ -125,8 +140,11 @@ def seed_everything(seed: int) -> None:
 
 
 def rng_state() -> dict:
-    """Every global RNG stream a run or a library may draw from (Python, NumPy, torch CPU and CUDA)."""
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    """Every global RNG stream a run or a library may draw from (Python, NumPy, torch CPU and CUDA), as tensors and
+    plain values only, so that a checkpoint holding it loads with ``torch.load(weights_only=True)``."""
+    numpy_state = np.random.get_state(legacy=False)  # nested dicts of plain values around one uint32 key array
+    numpy_state["state"]["key"] = torch.from_numpy(numpy_state["state"]["key"].astype(np.int64))
+    state = {"python": random.getstate(), "numpy": numpy_state, "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
@@ -136,7 +154,9 @@ def set_rng_state(state: dict) -> None:
     """Restore what ``rng_state`` saved (a state without a NumPy entry leaves NumPy's alone)."""
     random.setstate(state["python"])
     if "numpy" in state:
-        np.random.set_state(state["numpy"])
+        numpy_state = {**state["numpy"]}
+        numpy_state["state"] = {**numpy_state["state"], "key": np.asarray(numpy_state["state"]["key"], dtype=np.uint32)}
+        np.random.set_state(numpy_state)
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
@@ -147,6 +167,9 @@ def set_rng_state(state: dict) -> None:
 # ----------------------------------------------------------------------------------------------
 def save_checkpoint(run_dir: Path, step: int, state: dict, keep_last: int = 2) -> Path:
     """Atomically write ``state`` (a dict of state_dicts and plain values) as ``checkpoints/step_<step>``.
+
+    ``state`` must hold only tensors and plain Python values (dicts, lists, tuples, numbers, strings, None):
+    ``load_checkpoint`` refuses anything else.
 
     The state is written into a temporary folder which is then renamed, so the previous checkpoint stays
     intact if the process dies mid-write. Older checkpoints beyond ``keep_last`` are deleted (0 keeps all).
@@ -173,5 +196,15 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
 
 def load_checkpoint(path: Path) -> dict:
     """Load a checkpoint written by ``save_checkpoint`` onto the CPU, memory-mapped (processes of one node that load
-    the same checkpoint share its pages)."""
-    return torch.load(Path(path) / "state.pt", map_location="cpu", weights_only=False, mmap=True)
+    the same checkpoint share its pages).
+
+    Only tensors and plain values are unpickled (``weights_only=True``): a file that names any other class or
+    function, which unpickling would call, is refused with ``pickle.UnpicklingError`` and nothing of it runs."""
+    file = Path(path) / "state.pt"
+    try:
+        return torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+    except pickle.UnpicklingError as err:  # torch's own message suggests weights_only=False: not for this file
+        raise pickle.UnpicklingError(
+            f"refusing to load {file}: it is damaged or holds objects other than tensors and plain values, which "
+            "unpickling could run as code (the cause below names what was refused)"
+        ) from err

@@ -46,7 +46,14 @@ _BOX_RE = re.compile(r"\\(?:boxed|fbox)(?![A-Za-z])")
 _BRACE_TOKEN_RE = re.compile(r"\\.|[{}]", re.DOTALL)
 _BARE_BOX_ARG_RE = re.compile(r"[ \t]*([^\s$]+)")
 _ANSWER_LINE_RE = re.compile(r"(?im)^[^\n]*?\banswer\**[ \t]*:\**([^\n]*)")  # linear: no nested *
-_INLINE_MATH_RE = re.compile(r"(?<!\\)\$((?:[^$\\]|\\.)+)\$")  # $...$, honouring \$
+_INLINE_MATH_RE = re.compile(r"(?<!\\)\$((?:[^$\\]|\\.)+)\$", re.DOTALL)  # $...$, honouring \$
+_SPAN_LIST_RE = re.compile(r"\$(?:[^$\\]|\\.)+\$(?:\s*,\s*\$(?:[^$\\]|\\.)+\$)+", re.DOTALL)  # $a$,$b$
+# one math span from its opening delimiter (group 1) to its first closing one; \$ and \\) do not close it
+_WRAPPER_RES = (
+    re.compile(r"(\$\$?)(?:[^$\\]|\\.)*\1", re.DOTALL),  # $...$ or $$...$$
+    re.compile(r"(\\\()(?:[^\\]|\\[^)])*\\\)", re.DOTALL),  # \(...\)
+    re.compile(r"(\\\[)(?:[^\\]|\\[^\]])*\\\]", re.DOTALL),  # \[...\]
+)
 _THOUSANDS_RE = re.compile(r"-?\d{1,3}(?:(?:,|\{,\}|\\,| )\d{3})+(?:\.\d+)?")
 _INT_RE = re.compile(r"-?\d{1,4000}")  # int() refuses > 4300 digits by default
 _SIMPLE_GOLD_RE = re.compile(r"-?\d+(?:\.\d+)?|-?\\d?frac\{\d+\}\{\d+\}")
@@ -84,9 +91,12 @@ def last_boxed(text: str) -> str | None:
 
 
 def _strip_math_wrappers(s: str) -> str:
-    """Strip whitespace, enclosing ``$``/``\\(\\)``/``\\[\\]`` and trailing full stops.
+    """Strip whitespace, enclosing ``$``/``$$``/``\\(\\)``/``\\[\\]`` and trailing full stops.
 
-    Works on indices, so it stays linear even on ``"$" * 100_000``.
+    A wrapper is stripped only when it is one math span holding the whole text: ``$69$,$84$`` is two spans, not
+    ``69$,$84`` inside one pair of dollars. Text that is nothing but a comma-separated list of ``$...$`` spans (how
+    OlympiadBench stores multi-answer golds) becomes the list of their stripped contents: ``$69$,$84$`` gives
+    ``69, 84``. Works on indices, so it stays linear even on ``"$" * 100_000``.
     """
     i, j = 0, len(s)
     while True:
@@ -94,13 +104,15 @@ def _strip_math_wrappers(s: str) -> str:
             i += 1
         while j > i and s[j - 1].isspace():
             j -= 1
-        for left, right in (("$", "$"), ("\\(", "\\)"), ("\\[", "\\]")):
-            if j - i >= len(left) + len(right) and s.startswith(left, i) and s.endswith(right, i, j):
-                i, j = i + len(left), j - len(right)
+        for wrapper in _WRAPPER_RES:
+            if span := wrapper.fullmatch(s, i, j):
+                i, j = i + len(span.group(1)), j - len(span.group(1))
                 break
         else:
             if j - i >= 2 and s[j - 1] == "." and s[j - 2] != ".":  # "5." but not "\\ldots" or "..."
                 j -= 1
+            elif _SPAN_LIST_RE.fullmatch(s, i, j):
+                return ", ".join(_strip_math_wrappers(span) for span in _INLINE_MATH_RE.findall(s, i, j))
             else:
                 return s[i:j]
 
@@ -111,8 +123,9 @@ def extract_answer(completion: str) -> str | None:
     Priority: the inner text of the last ``\\boxed{...}``/``\\fbox{...}`` (also ``\\boxed 5``);
     else the inner text of the last complete ``<answer>...</answer>``; else the text after the
     last ``Answer:`` on a line (DAPO's "Answer: $Answer" convention; if that text holds ``$...$``
-    spans, the last span's content is used, so Minerva's "The final answer is $5$." works).
-    The result has surrounding whitespace, ``$`` delimiters and a trailing full stop removed.
+    spans, the last span's content is used, so Minerva's "The final answer is $5$." works, unless
+    the text is just a comma-separated list of spans: "Answer: $69$, $84$" gives ``69, 84``).
+    The result has surrounding whitespace, enclosing ``$`` delimiters and a trailing full stop removed.
     A bare "the answer is 42" with no marker yields ``None`` on purpose: rewards should not
     depend on guessing which number in free text was meant.
     """
@@ -130,8 +143,9 @@ def extract_answer(completion: str) -> str | None:
             text = line.group(1)
     if text is None:
         return None
+    text = _strip_math_wrappers(text)
     spans = _INLINE_MATH_RE.findall(text)
-    return _strip_math_wrappers(spans[-1] if spans else text)
+    return _strip_math_wrappers(spans[-1]) if spans else text
 
 
 def extract_gsm8k_gold(answer_field: str) -> str:

@@ -7,10 +7,24 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from conftest import REPO, load_algo
 
 SCRIPTS = sorted(p.stem for p in (REPO / "algos").glob("*.py"))
-ALGO_FIELDS = {"clip_eps", "kl_coef"}  # grpo's own algorithm hyperparameters; the rest is shared
+
+# What a fork may change in grpo.py's Args (README, "How to fork", lists both). Every other field of grpo.py's Args
+# is shared plumbing: each script keeps it, with grpo.py's default.
+ALGO_FIELDS = {"clip_eps", "kl_coef"}
+"""grpo.py's own algorithm hyperparameters: a fork may drop, rename or re-default them."""
+FORK_MAY_CHANGE_DEFAULT = {
+    "total_steps",
+    "group_size",
+    "num_minibatches",
+    "num_epochs",
+    "learning_rate",
+    "warmup_steps",
+}
+"""Shared flags a fork keeps but may default to its paper's value (say so in the field's docstring)."""
 REQUIRED_FUNCTIONS = {
     "ppo": ["compute_gae", "value_loss", "policy_loss"],
     "prime": ["implicit_process_rewards", "prm_loss", "compute_advantages", "policy_loss"],
@@ -18,6 +32,17 @@ REQUIRED_FUNCTIONS = {
 }
 PARENTS = {"grpo", "ppo"}  # the roots: every other script is a fork of one script, named in its docstring
 PARENT = {"scalerl": "cispo"}  # forks of a fork (the default parent is grpo.py)
+RATIO_MECHANISMS = {
+    "gspo": "the sequence ratio and its clip",
+    "cispo": "the capped importance weight",
+    "dapo": "clip-higher",
+    "dppo": "the trust region on the divergence to the rollout policy",
+    "scalerl": "the capped importance weight on a lagged sampler",
+}
+"""Scripts whose named mechanism is a function of the ratio π_θ / π_old alone. At one optimiser step per rollout batch
+from an up-to-date sampler every ratio is 1 (old = logprobs.detach(); dppo.py and scalerl.py take π_old from the
+sampler, which then differs from π_θ by numerics only), so the mechanism does nothing and their defaults must take
+off-policy steps. gspo.py at --num-minibatches 1 is grpo.py at --kl-coef 0 (test_gspo_at_ratio_one_is_grpo)."""
 
 
 def fields(module) -> dict[str, dataclasses.Field]:
@@ -36,9 +61,53 @@ def test_shared_flags_match_grpo(script):
         if name in ALGO_FIELDS or name == "exp_name":
             continue
         assert name in mine, f"{script}.py lacks the shared flag {name!r}"
-        if name in ("total_steps", "group_size", "num_minibatches", "num_epochs", "learning_rate", "warmup_steps"):
-            continue  # algorithms may choose their paper's value for these (documented in their Args)
+        if name in FORK_MAY_CHANGE_DEFAULT:
+            continue
         assert default(mine[name]) == default(f), f"{script}.py: default of {name!r} differs from grpo.py"
+
+
+def test_readme_states_the_fork_rules():
+    """README's "How to fork" lists every field a fork may change and names the registries above, so a fork's author
+    reads the rules there rather than in a failing test."""
+    readme = (REPO / "README.md").read_text()
+    section = readme.split("\n## How to fork\n", 1)[1].split("\n## ", 1)[0]
+    missing = [f"`{name}`" for name in sorted(ALGO_FIELDS | FORK_MAY_CHANGE_DEFAULT) if f"`{name}`" not in section]
+    assert not missing, f"README's 'How to fork' does not list {missing}"
+    for name in ("ALGO_FIELDS", "FORK_MAY_CHANGE_DEFAULT", "PARENT", "RATIO_MECHANISMS", "# planner:", "ruff format"):
+        assert name in section, f"README's 'How to fork' does not mention {name}"
+
+
+def takes_off_policy_steps(defaults: dict) -> bool:
+    """Whether a run takes an optimiser step with π_θ ≠ π_old: more than one step per rollout batch (epochs x
+    mini-batches), or a sampler that lags the trainer (scalerl.py's ``max_lag``; 1 is on-policy)."""
+    return defaults["num_epochs"] * defaults["num_minibatches"] > 1 or defaults.get("max_lag", 1) > 1
+
+
+@pytest.mark.parametrize("script", sorted(RATIO_MECHANISMS))
+def test_ratio_mechanisms_act_at_the_defaults(script):
+    grpo_defaults = {name: default(f) for name, f in fields(load_algo("grpo")).items()}
+    assert not takes_off_policy_steps(grpo_defaults)  # one step per batch: every ratio is 1
+    mine = {name: default(f) for name, f in fields(load_algo(script)).items()}
+    assert takes_off_policy_steps(mine), (
+        f"{script}.py: {RATIO_MECHANISMS[script]} acts only through π_θ / π_old, which is 1 at one optimiser step per "
+        "rollout batch; default num_minibatches (or num_epochs) above 1 (gspo.py: 4, GSPO §5.1)"
+    )
+
+
+def test_gspo_at_ratio_one_is_grpo():
+    """Why RATIO_MECHANISMS exists: on-policy (old = logprobs.detach()) GSPO's gradient is GRPO's without KL."""
+    generator = torch.Generator().manual_seed(0)
+    base = torch.randn(6, 9, generator=generator) - 1.0
+    mask = (torch.rand(6, 9, generator=generator) > 0.3).float()
+    mask[:, 0] = 1.0
+    advantages = torch.randn(6, generator=generator)
+    grads = []
+    for script in ("grpo", "gspo"):
+        logprobs = base.clone().requires_grad_()
+        loss, _ = load_algo(script).policy_loss(logprobs, logprobs.detach(), advantages, mask, kl_coef=0.0)
+        loss.backward()
+        grads.append(logprobs.grad)
+    torch.testing.assert_close(grads[1], grads[0])
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
@@ -99,7 +168,7 @@ def test_every_logprob_call_follows_the_lm_head_flag(script):
 
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_plumbing_comes_from_common(script):
-    """Set-up and bookkeeping are one-line calls into common/, so a plumbing change is made once, not ten times."""
+    """Set-up and bookkeeping are one-line calls into common/, so a plumbing change is made in one place."""
     source = (REPO / "algos" / f"{script}.py").read_text()
     for call in (
         "start_run(args)",

@@ -5,7 +5,9 @@ and the prompt templates rendered with the shipped tiny model's tokenizer."""
 from __future__ import annotations
 
 import json
+import os
 import re
+import subprocess
 import sys
 import time
 import types
@@ -15,6 +17,7 @@ import pytest
 from common import data, tasks
 from common.data import (
     DATASETS,
+    REPO_ROOT,
     TEMPLATES,
     TINY_MODEL_DIR,
     dataset_info,
@@ -177,7 +180,10 @@ def test_jsonl_good_file(tmp_path):
     "bad_row, expected",
     [
         ({"prompt": "q"}, r"row 1 \(line 3\): missing field 'answer'"),
-        ({"prompt": "q", "answer": 42}, r"row 1 \(line 3\): field 'answer' must be a string, got int"),
+        ({"prompt": "q", "answer": 4.2}, r"row 1 \(line 3\): field 'answer' must be a string or an integer, got float"),
+        ({"prompt": "q", "answer": True}, r"row 1 \(line 3\): field 'answer' must be a string or an integer, got bool"),
+        ({"prompt": "q", "answer": [42]}, r"row 1 \(line 3\): field 'answer' must be a string or an integer, got list"),
+        ({"prompt": 7, "answer": "7"}, r"row 1 \(line 3\): field 'prompt' must be a string, got int"),
         ({"prompt": "   ", "answer": "1"}, r"row 1 \(line 3\): field 'prompt' is empty"),
         ({"prompt": "q", "answer": "1", "solution": ["x"]}, r"row 1 \(line 3\): field 'solution' must be a string"),
         (["not", "an", "object"], r"row 1 \(line 3\): expected an object"),
@@ -188,6 +194,15 @@ def test_jsonl_bad_rows_name_dataset_row_and_field(tmp_path, bad_row, expected):
     with pytest.raises(ValueError, match=expected) as err:
         load_problems(f"jsonl:{path}", "train")
     assert f"'jsonl:{path}'" in str(err.value)
+
+
+def test_jsonl_integer_answers_become_strings(tmp_path):
+    # some AIME copies store the answer as a JSON number; 0 is falsy but a valid answer
+    path = write_jsonl(tmp_path, [{"prompt": "a?", "answer": 204}, {"prompt": "b?", "answer": 0, "solution": "s"}])
+    assert load_problems(f"jsonl:{path}", "test") == [
+        {"prompt": "a?", "answer": "204", "solution": ""},
+        {"prompt": "b?", "answer": "0", "solution": "s"},
+    ]
 
 
 def test_jsonl_invalid_json_and_missing_file(tmp_path):
@@ -210,14 +225,15 @@ def test_validate_rows_without_line_numbers():
 # ----------------------------------------------------------------------------------------------
 # Registry and names
 # ----------------------------------------------------------------------------------------------
-def test_unknown_dataset_lists_choices():
-    with pytest.raises(ValueError) as err:
+def test_unknown_dataset_exits_with_one_line_listing_choices():
+    with pytest.raises(SystemExit) as err:
         dataset_info("gsm9k")
     message = str(err.value)
+    assert message.startswith("--dataset: unknown dataset 'gsm9k'") and "\n" not in message
     for name in ["arith", "gsm8k", "math500", "openr1-luffy", "jsonl:<path>", "math:3-5"]:
         assert name in message
-    with pytest.raises(ValueError, match="unknown dataset 'gsm8k:3'"):  # gsm8k has no levels
-        dataset_info("gsm8k:3")
+    with pytest.raises(SystemExit, match="^--eval.dataset: unknown dataset 'gsm8k:3'"):  # gsm8k has no levels
+        dataset_info("gsm8k:3", "--eval.dataset")
 
 
 def test_unknown_template_lists_choices():
@@ -225,6 +241,50 @@ def test_unknown_template_lists_choices():
         format_prompt("q", "qwen_math", tokenizer=None)
     for name in TEMPLATES:
         assert repr(name) in str(err.value)
+    with pytest.raises(SystemExit) as err:
+        data.check_template("qwen_math", "--eval.template")
+    message = str(err.value)
+    assert message.startswith("--eval.template: unknown template 'qwen_math'") and "\n" not in message
+    for name in ["chat", "qwen-math", "r1-zero", "plain", "dapo"]:
+        assert repr(name) in message
+    for name in TEMPLATES:
+        data.check_template(name)
+
+
+@pytest.mark.parametrize(
+    "dataset, template, eval_dataset, eval_template, message",
+    [
+        ("nosuch", "", "", "", "--dataset: unknown dataset 'nosuch'"),
+        ("arith", "", "nosuch", "", "--eval.dataset: unknown dataset 'nosuch'"),
+        ("arith", "chatml", "", "", "--template: unknown template 'chatml'"),
+        ("arith", "", "", "chatml", "--eval.template: unknown template 'chatml'"),
+    ],
+)
+def test_load_task_checks_names_before_loading_data(
+    monkeypatch, dataset, template, eval_dataset, eval_template, message
+):
+    from common import runtime
+    from common.evaluate import EvalConfig
+
+    def no_loading(*args):
+        raise AssertionError("data loaded before the names were checked")
+
+    monkeypatch.setattr(runtime, "load_problems", no_loading)
+    args = types.SimpleNamespace(
+        dataset=dataset, template=template, eval=EvalConfig(dataset=eval_dataset, template=eval_template)
+    )
+    with pytest.raises(SystemExit) as err:
+        runtime.load_task(args)
+    assert str(err.value).startswith(message)
+
+
+def test_unknown_dataset_flag_fails_without_traceback(tmp_path):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, str(REPO_ROOT / "algos" / "grpo.py"), "--dataset", "nosuch", "--output-dir", str(tmp_path)]
+    result = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode != 0
+    assert "Traceback" not in result.stderr, result.stderr[-3000:]
+    assert "--dataset: unknown dataset 'nosuch'" in result.stderr and "jsonl:<path>" in result.stderr
 
 
 def test_registry_entries():

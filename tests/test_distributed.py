@@ -42,7 +42,7 @@ def launch(tmp_path, name, nproc, algo="grpo", extra=()):
 def test_two_processes_match_one(tmp_path, algo):
     one = launch(tmp_path, "one", 1, algo)
     two = launch(tmp_path, "two", 2, algo)
-    assert "1 process(es)" in one.stdout and "2 process(es), MULTI_CPU" in two.stdout
+    assert "1 process, not distributed" in one.stdout and "2 processes, data-parallel (DDP) over gloo" in two.stdout
     base = load_file(REPO / "common" / "tiny_model" / "model.safetensors")
     w1 = load_file(tmp_path / "one" / "final" / "model.safetensors")
     w2 = load_file(tmp_path / "two" / "final" / "model.safetensors")

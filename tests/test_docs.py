@@ -1,6 +1,7 @@
-"""The docs stay honest: every script in algos/ has a page in docs/, every command quoted in the README, the docs,
-the scripts' docstrings and the benchmark manifests parses against the script's flags (a renamed flag fails here,
-not for a user), and every metric key a script can log is defined in docs/metrics.md.
+"""The docs stay honest: every script in algos/ has a page in docs/ (linked from docs/README.md and the README's
+table), every command quoted in the README, the docs, the scripts' docstrings and the benchmark manifests parses
+against the script's flags (a renamed flag fails here, not for a user), every GPU command carries the memory
+planner's verdict, every metric key a script can log is defined in docs/metrics.md, and no prose counts the scripts.
 
 No training here: the integration test (tests/test_scripts.py) checks the keys of real runs with
 ``undocumented_keys``."""
@@ -88,6 +89,41 @@ def test_every_script_has_a_page(script):
     page = REPO / "docs" / f"{script}.md"
     assert page.exists(), f"algos/{script}.py has no docs/{script}.md"
     assert f"{script}.py" in page.read_text(), f"docs/{script}.md never names algos/{script}.py"
+
+
+def test_every_script_is_in_the_readme_table_and_the_docs_index():
+    readme = (REPO / "README.md").read_text()
+    index = (REPO / "docs" / "README.md").read_text()
+    for script in SCRIPTS:
+        assert f"[`{script}.py`](algos/{script}.py)" in readme, f"README's Algorithms table has no row for {script}.py"
+        assert f"[{script}.md]({script}.md)" in index, f"docs/README.md's index does not link {script}.md"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# no count of the scripts in prose: it goes stale with the next fork (the generated BENCH blocks are rewritten)
+NUMBER = r"(?:\d+|two|three|four|five|six|seven|eight|nine|ten|eleven|twelve|thirteen|fourteen|fifteen|sixteen|twenty)"
+SCRIPT_COUNT = re.compile(rf"\b{NUMBER} (?:[\w.-]+ )?(?:scripts|algorithms|relatives)\b", flags=re.I)
+
+
+def script_counts(text: str) -> list[str]:
+    """Counts of scripts or algorithms in ``text`` outside its ``<!-- BENCH-...-BEGIN/END -->`` blocks."""
+    prose = re.sub(r"<!-- BENCH-([A-Z-]+)-BEGIN -->.*?<!-- BENCH-\1-END -->", "", text, flags=re.S)
+    return [m.group(0) for m in SCRIPT_COUNT.finditer(prose)]
+
+
+def test_count_matcher_finds_counts_of_scripts_only():
+    text = (
+        "GRPO and eleven relatives. All twelve scripts learn; all 12 scripts; ten GPU scripts. 5 of 9 claims, 3 seeds."
+    )
+    assert script_counts(text) == ["eleven relatives", "twelve scripts", "12 scripts", "ten GPU scripts"]
+    bench = "<!-- BENCH-TINY-BEGIN -->\nall twelve scripts\n<!-- BENCH-TINY-END -->\nEvery script learns."
+    assert script_counts(bench) == []
+
+
+@pytest.mark.parametrize("path", DOC_FILES, ids=lambda p: str(p.relative_to(REPO)))
+def test_prose_names_no_count_of_scripts(path):
+    counts = script_counts(path.read_text())
+    assert not counts, f"{path.relative_to(REPO)} counts the scripts ({counts}): say 'every script' or 'its relatives'"
 
 
 # ---------------------------------------------------------------------------------------------------------------

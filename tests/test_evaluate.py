@@ -2,6 +2,7 @@
 
 import itertools
 import json
+import os
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -11,7 +12,7 @@ from conftest import REPO
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from common.data import TINY_MODEL_DIR, load_problems
-from common.evaluate import EvalConfig, evaluate, pass_at_k, score_groups
+from common.evaluate import EvalConfig, evaluate, pass_at_k, run_token_budget, score_groups
 from common.rollout import Completion, HFEngine
 
 
@@ -143,3 +144,37 @@ def test_evaluate_cli_on_the_shipped_model():
     record = json.loads(result.stdout.strip().splitlines()[-1])
     assert 0.0 <= record["eval/arith/mean@2"] <= record["eval/arith/pass@2"] <= 1.0
     assert record["protocol"]["n"] == 2
+
+
+def test_the_cli_reproduces_the_training_time_evaluation_of_a_run(tmp_path):
+    # one protocol: evaluating runs/<name>/final from the command line, with no --eval.max-new-tokens and no seed,
+    # gives the numbers the run logged at its last evaluation (same token budget, read from the run's config.json)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled"}
+    protocol = ["--eval.n", "2", "--eval.k", "1", "2", "--eval.max-problems", "12"]
+    train = [sys.executable, str(REPO / "algos" / "grpo.py"), "--output-dir", str(tmp_path), "--run-name", "r"]
+    train += ["--total-steps", "2", "--prompts-per-step", "4", "--max-new-tokens", "32", "--save-every", "0"]
+    trained = subprocess.run(train + protocol, capture_output=True, text=True, timeout=300, env=env)
+    assert trained.returncode == 0, trained.stderr[-2000:]
+    assert "eval protocol: arith (first 12 problems)" in trained.stdout and "max_new_tokens 32" in trained.stdout
+    logged = [json.loads(line) for line in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()]
+    last_eval = [row for row in logged if "eval/arith/mean@2" in row][-1]
+    cli = [sys.executable, "-m", "common.evaluate", "--model", str(tmp_path / "r" / "final"), *protocol]
+    result = subprocess.run(cli, cwd=REPO, capture_output=True, text=True, timeout=300, env=env)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "max_new_tokens 32, seed 12345" in result.stderr
+    record = json.loads(result.stdout.strip().splitlines()[-1])
+    assert record["protocol"]["max_new_tokens"] == 32
+    for key in ("mean@2", "pass@2", "greedy", "response_len"):
+        assert record[f"eval/arith/{key}"] == last_eval[f"eval/arith/{key}"], key
+
+
+def test_without_a_run_folder_the_cli_budget_is_the_scripts_default(grpo):
+    assert run_token_budget(str(REPO / "common" / "tiny_model")) == grpo.Args().max_new_tokens
+
+
+def test_the_cli_names_an_unknown_template_or_dataset_before_loading_weights():
+    for flag, value in (("--eval.template", "nosuch"), ("--dataset", "gsm9k")):
+        cmd = [sys.executable, "-m", "common.evaluate", flag, value]
+        result = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=120)
+        assert result.returncode != 0 and "Traceback" not in result.stderr, result.stderr[-1500:]
+        assert f"{flag}: unknown" in result.stderr and "Loading weights" not in result.stderr

@@ -39,7 +39,8 @@ BF16_VS_ONE_TOL = 3e-2
 def launch(tmp_path, name, nproc, algo="grpo", extra=()):
     args = ["--output-dir", str(tmp_path), "--run-name", name, *FLAGS, *SCRIPT_FLAGS[algo], *extra]
     result = launch_script(algo, args, nproc, timeout=600)
-    assert f"{nproc} process(es)" in result.stdout
+    layout = "not distributed" if nproc == 1 else "FSDP2-sharded" if "--fsdp" in extra else "data-parallel (DDP)"
+    assert layout in result.stdout and f"{nproc} process" in result.stdout
     return result
 
 
@@ -47,7 +48,7 @@ def weights(run_dir: Path, step: int | None = None, name: str = "model") -> dict
     """The final policy (``final/``) or a checkpoint's full state dict ``name`` at ``step``."""
     if step is None:
         return load_file(run_dir / "final" / "model.safetensors")
-    return torch.load(run_dir / "checkpoints" / f"step_{step:06d}" / "state.pt", weights_only=False)[name]
+    return torch.load(run_dir / "checkpoints" / f"step_{step:06d}" / "state.pt", weights_only=True)[name]
 
 
 def update_gap(base: dict, a: dict, b: dict) -> float:

@@ -157,11 +157,21 @@ def run_script(*flags):
     )
 
 
+def listing(root):
+    return sorted((str(p.relative_to(root)), p.stat().st_size, p.stat().st_mtime_ns) for p in root.rglob("*"))
+
+
 def test_dry_run_prints_every_component_and_a_verdict_from_a_config_only_folder(tmp_path):
     folder = tmp_path / "math-1.5b"  # a folder with only config.json: no tokenizer, no weights
     folder.mkdir()
     (folder / "config.json").write_text((MODEL_CONFIGS / "qwen2.5-math-1.5b" / "config.json").read_text())
+    # the run folder the plan would use already holds a run: --dry-run neither refuses nor touches it
+    existing = tmp_path / "runs" / "grpo__arith__1" / "checkpoints" / "step_000010"
+    existing.mkdir(parents=True)
+    (existing / "state.pt").write_bytes(b"a previous run's checkpoint")
+    before = listing(tmp_path)
     flags = ["--learning-rate", "1e-6", "--max-new-tokens", "3000", "--prompts-per-step", "128"]
+    flags += ["--output-dir", str(tmp_path / "runs")]
     result = run_script("--model", str(folder), *flags, "--micro-batch-size", "8", "--dry-run")
     assert result.returncode == 0, result.stderr[-2000:]
     out = result.stdout
@@ -170,10 +180,23 @@ def test_dry_run_prints_every_component_and_a_verdict_from_a_config_only_folder(
                  "log-prob head chunk", "vLLM share (0.35 x 80 GB)", "1.544 B parameters"):  # fmt: skip
         assert part in out, out
     assert "planner: does not fit on 80 GB" in out and "would fit with: --" in out
-    assert not (tmp_path / "runs").exists()
+    assert listing(tmp_path) == before  # nothing created, claimed or written
     # a card too small for the trainer state alone: sharding, still before any weights load
     small = run_script("--model", str(folder), *flags, "--dry-run", "--dry-run-gpu-gb", "24")
     assert small.returncode == 0 and "needs FSDP2 sharding (--fsdp) on 24 GB" in small.stdout
+    assert listing(tmp_path) == before
+
+
+def test_dry_run_plans_a_known_hub_id_offline_and_names_the_folders_for_an_unknown_one(tmp_path):
+    flags = ["--learning-rate", "1e-6", "--max-new-tokens", "3000", "--output-dir", str(tmp_path), "--dry-run"]
+    known = run_script("--model", "Qwen/Qwen2.5-Math-1.5B", *flags)  # HF_HUB_OFFLINE=1: common/model_configs
+    assert known.returncode == 0, known.stderr[-2000:]
+    assert "1.544 B parameters" in known.stdout and "planner:" in known.stdout
+    unknown = run_script("--model", "nobody/unknown-7b", *flags)
+    assert unknown.returncode != 0 and "Traceback" not in unknown.stderr
+    assert "--model nobody/unknown-7b: cannot read its config.json" in unknown.stderr
+    assert "Qwen/Qwen2.5-Math-1.5B" in unknown.stderr  # the hub ids a local config exists for
+    assert not any(tmp_path.iterdir())
 
 
 def test_a_gpu_run_that_does_not_fit_stops_before_loading_unless_overridden():

@@ -1,5 +1,6 @@
-"""Faults: a killed run resumes to exactly the uninterrupted run; SIGTERM checkpoints; non-finite losses
-never reach the optimiser; bad flags fail before training with a message that names the problem."""
+"""Faults: a killed run resumes to exactly the uninterrupted run (and reports its own step-0 evaluation); SIGTERM
+checkpoints; non-finite losses never reach the optimiser; bad flags fail before training with a message that names
+the problem."""
 
 import json
 import math
@@ -117,7 +118,7 @@ def test_consecutive_nonfinite_steps_abort_with_a_message(tmp_path, monkeypatch)
         (["--model", "./no/such/model", "--learning-rate", "1e-6"], "no such local path"),
         (["--prompts-per-step", "6", "--group-size", "4", "--num-minibatches", "5"], "--num-minibatches 5"),
         (["--group-size", "1"], "group_size"),
-        (["--temperature", "0"], "--temperature must be > 0"),
+        (["--temperature", "0"], "training rollouts need 0 < temperature <= 2"),
     ],
 )
 def test_bad_flags_fail_with_a_clear_message(tmp_path, flags, message):
@@ -205,3 +206,24 @@ def test_empty_and_truncated_completions(tmp_path, monkeypatch):
         r["train/reward"] == 0.0 and math.isfinite(r["train/loss"]) and r["train/skipped_updates"] == 0.0 for r in rows
     )
     assert final_weights_are_finite(tmp_path / "edge")
+
+
+def test_resumed_run_reports_its_step_zero_evaluation_as_eval_start(tmp_path, monkeypatch, capsys):
+    grpo, key = load_algo("grpo"), "eval/arith/mean@2"
+    run_in_process(grpo, monkeypatch, tmp_path, "--run-name", "r", "--total-steps", "1")  # checkpoint at step 1
+    metrics = tmp_path / "r" / "metrics.jsonl"
+    rows = read_metrics(tmp_path / "r")
+    evals = [r for r in rows if key in r]
+    assert [r["step"] for r in evals] == [0, 1] and 0.123 not in [r[key] for r in evals]
+    # a value no evaluation produced: the summary can show it only by reading the step-0 row back, not by evaluating
+    # again or by taking a later row
+    evals[0][key] = 0.123
+    metrics.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    capsys.readouterr()
+    run_in_process(grpo, monkeypatch, tmp_path, "--run-name", "r", "--total-steps", "2", "--resume")
+    out = capsys.readouterr().out
+    assert "resumed from" in out
+    summary = json.loads(next(line for line in out.splitlines() if line.startswith("SUMMARY "))[len("SUMMARY ") :])
+    step_zero = [r[key] for r in read_metrics(tmp_path / "r") if r["step"] == 0 and key in r]
+    assert step_zero == [0.123] and summary["eval_start"] == 0.123
+    assert summary["steps"] == 2 and summary["eval_end"] is not None

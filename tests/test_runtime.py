@@ -2,13 +2,23 @@
 install whose CUDA is unusable stops instead of training a hub model on the CPU."""
 
 import dataclasses
+import json
+import shutil
+from types import SimpleNamespace
 
 import pytest
 import torch
 from conftest import load_algo
 
 from common.data import TINY_MODEL_DIR
-from common.runtime import check_device, context_budget
+from common.runtime import (
+    check_device,
+    check_sampling_flags,
+    context_budget,
+    describe_processes,
+    load_config,
+    load_model,
+)
 
 TINY_POSITIONS = 256  # common/tiny_model/config.json max_position_embeddings
 
@@ -53,3 +63,78 @@ def test_unusable_cuda_stops_a_gpu_run(monkeypatch):
     with pytest.raises(SystemExit, match="no usable CUDA device"):
         check_device(args(rollout_backend="vllm"))
     assert check_device(args(model="Qwen/Qwen2.5-Math-1.5B", device="cpu")) is False  # asked for explicitly
+
+
+def tiny_run(model_path=str(TINY_MODEL_DIR)):
+    """The fields of a ``Run`` that ``load_model`` reads, for the tiny model on the CPU."""
+    return SimpleNamespace(
+        model_path=model_path, dtype=torch.float32, attn_implementation="eager", device=torch.device("cpu"), fsdp=False
+    )
+
+
+def bytes_saved_for_backward(model) -> int:
+    """Bytes autograd saves for backward in one forward of a 2 x 24-token batch (each storage counted once)."""
+    storages: dict[int, int] = {}
+
+    def pack(t):
+        storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    ids = torch.randint(0, model.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(input_ids=ids).logits.sum().backward()
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    return sum(n for ptr, n in storages.items() if ptr not in params)
+
+
+def test_gradient_checkpointing_really_recomputes_the_layers():
+    # transformers checkpoints a decoder layer only when `gradient_checkpointing and training`: a model left in the
+    # eval mode from_pretrained returns saves every layer's activations, exactly as without the flag
+    plain = load_model(tiny_run())
+    checkpointed = load_model(tiny_run(), gradient_checkpointing=True)
+    assert plain.training and checkpointed.training
+    assert not load_model(tiny_run(), frozen=True).training
+    full, recomputed = bytes_saved_for_backward(plain), bytes_saved_for_backward(checkpointed)
+    # 4 layers: only each layer's input (and the head's) stays; the layers' internals (attention, the SwiGLU MLP)
+    # are recomputed, which is most of the bytes
+    assert recomputed < 0.5 * full, (recomputed, full)
+
+
+def test_trained_models_have_no_dropout_even_in_train_mode(tmp_path):
+    # a copy of the tiny model whose config asks for heavy attention dropout: in train mode its forward would be
+    # random, and every ratio, old log-prob and sampler gap would carry that noise
+    for f in TINY_MODEL_DIR.iterdir():
+        if f.is_file():
+            shutil.copy(f, tmp_path / f.name)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "attention_dropout": 0.5}))
+    model = load_model(tiny_run(str(tmp_path)))
+    assert model.training and model.config.attention_dropout == 0.0
+    ids = torch.randint(0, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=ids).logits, model(input_ids=ids).logits, rtol=0, atol=0)
+
+
+def test_sampling_flags_that_would_skew_the_log_probs_stop_at_start():
+    check_sampling_flags(args())
+    check_sampling_flags(args(temperature=2.0))
+    for bad in (0.0, -1.0, 2.5):
+        with pytest.raises(SystemExit, match=f"--temperature {bad}: .*vLLM rejects"):
+            check_sampling_flags(args(temperature=bad))
+    with pytest.raises(SystemExit, match="--top-p 0.9: training samples at top_p 1"):
+        check_sampling_flags(args(top_p=0.9))
+    check_sampling_flags(args(eval_top_p=0.7))  # evaluation may use a nucleus
+
+
+def test_the_start_up_line_says_what_it_means():
+    cpu = torch.device("cpu")
+    assert describe_processes(1, "NO", False, False, cpu) == "1 process, not distributed, bf16 autocast off, device cpu"
+    two = describe_processes(2, "MULTI_CPU", False, True, cpu)
+    assert two == "2 processes, data-parallel (DDP) over gloo (MULTI_CPU), bf16 autocast on, device cpu"
+    assert "FSDP2-sharded over NCCL" in describe_processes(8, "MULTI_GPU", True, True, torch.device("cuda", 0))
+
+
+def test_an_unreadable_config_names_the_local_folders(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(SystemExit, match="--model nobody/no-such-model: cannot read its config.json.*Qwen/Qwen2.5-7B"):
+        load_config("nobody/no-such-model")

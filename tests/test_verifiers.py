@@ -32,6 +32,12 @@ from common import verifiers as V
         ("Final Answer: The final answer is $5$. I hope it is correct.", "5"),
         ("Final answer: $\\$18$.", "\\$18"),  # an escaped dollar does not end the math span
         ("Answer: 5.\nAnswer:", "5"),  # an empty Answer: line does not count
+        ("\\boxed{$5$}", "5"),
+        ("<answer>$$7$$</answer>", "7"),
+        ("\\boxed{$69$,$84$}", "69, 84"),  # a list of $...$ spans is the list of their contents
+        ("Answer: $69$, $84$.", "69, 84"),
+        ("\\boxed{$x$ or $y$}", "$x$ or $y$"),  # several spans are not one pair of enclosing dollars
+        ("\\boxed{\\(1\\), \\(2\\)}", "\\(1\\), \\(2\\)"),
         ("The answer is 42", None),  # no marker on purpose
         ("", None),
     ],
@@ -47,6 +53,8 @@ def test_extraction_is_linear_on_adversarial_text():
         "\\boxed{" + "{" * 100_000,
         "\\boxed{" * 20_000,
         "Answer: $" + "\\$" * 50_000,
+        "\\boxed{" + "$1$," * 25_000 + "$}",
+        "\\boxed{" + "\\(" * 50_000 + "x" + "\\)" * 50_000 + "}",
         "<think>" + "</thin" * 20_000,
     ]
     for text in adversarial:
@@ -109,6 +117,13 @@ TRUE_CASES = [
     ("\\boxed{x^2+2x+1}", "(x+1)^2"),
     ("so $\\boxed{\\text{(C)}}$", "\\text{(C)}"),
     ("\\boxed{(-\\infty, 3)}", "x<3"),  # verify() is asymmetric; this pair pins gold-first order
+    ("\\boxed{7}", "$7$"),
+    ("\\boxed{\\frac{1}{2}}", "$\\frac{1}{2}$"),
+    # OlympiadBench stores a multi-answer gold as $...$ spans joined by commas
+    ("\\boxed{69, 84}", "$69$,$84$"),
+    ("\\boxed{69,84}", "$69$,$84$"),
+    ("Answer: $69$, $84$", "$69$,$84$"),
+    ("\\boxed{x=1, y=2}", "$x=1$, $y=2$"),
 ]
 
 FALSE_CASES = [
@@ -127,6 +142,9 @@ FALSE_CASES = [
     ("\\boxed{\\frac{}", "\\frac{"),
     ("\\boxed{x^2+2x}", "(x+1)^2"),
     ("\\boxed{x<3}", "(-\\infty, 3)"),  # True if verify() were called as verify(pred, gold)
+    ("\\boxed{69}", "$69$,$84$"),  # one element of a multi-answer gold is not the answer
+    ("\\boxed{84}", "$69$,$84$"),
+    ("\\boxed{69, 85}", "$69$,$84$"),
 ]
 
 
