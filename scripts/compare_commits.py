@@ -53,8 +53,9 @@ def metric_rows(run_dir: Path) -> list[dict]:
     return [{k: v for k, v in row.items() if k != "time" and not k.startswith(SKIPPED_PREFIXES)} for row in rows]
 
 
-def compare(base_rows: list[dict], head_rows: list[dict]) -> list[str]:
-    """Every difference between two runs' metric rows, as readable lines (empty = identical)."""
+def compare(base_rows: list[dict], head_rows: list[dict], new_keys_ok: bool = False) -> list[str]:
+    """Every difference between two runs' metric rows, as readable lines (empty = identical). ``new_keys_ok``: a key
+    logged only at head (a new metric) is not a difference; every key both sides log must still be identical."""
     problems = []
     if len(base_rows) != len(head_rows):
         problems.append(f"{len(base_rows)} metric rows at base, {len(head_rows)} at head")
@@ -64,7 +65,8 @@ def compare(base_rows: list[dict], head_rows: list[dict]) -> list[str]:
             if key not in head:
                 problems.append(f"step {step}: {key} only at base")
             elif key not in base:
-                problems.append(f"step {step}: {key} only at head")
+                if not new_keys_ok:
+                    problems.append(f"step {step}: {key} only at head")
             elif base[key] != head[key]:
                 problems.append(f"step {step}: {key} {base[key]!r} (base) != {head[key]!r} (head)")
     return problems
@@ -76,6 +78,7 @@ def main() -> None:
     parser.add_argument("--only", nargs="*", help="scripts to run (default: every algos/*.py present at both sides)")
     parser.add_argument("--steps", type=int, default=5, help="training steps per run")
     parser.add_argument("--threads", type=int, default=2, help="torch threads of every run (OMP_NUM_THREADS)")
+    parser.add_argument("--new-keys-ok", action="store_true", help="keys logged only at head are not differences")
     parser.add_argument("--extra", nargs=argparse.REMAINDER, default=[], help="further flags for every script")
     args = parser.parse_args()
 
@@ -95,7 +98,10 @@ def main() -> None:
         for script in scripts:
             base_dir = run_script(worktree, script, cache, args.steps, args.threads, args.extra)
             head_dir = run_script(REPO, script, head_out, args.steps, args.threads, args.extra)
-            problems = compare(metric_rows(base_dir), metric_rows(head_dir))
+            problems = compare(metric_rows(base_dir), metric_rows(head_dir), args.new_keys_ok)
+            new_keys = sorted(
+                {k for row in metric_rows(head_dir) for k in row} - {k for row in metric_rows(base_dir) for k in row}
+            )
             keys = sum(len(row) - 1 for row in metric_rows(base_dir))
             print(
                 f"{script:8s} {'identical' if not problems else f'{len(problems)} differences'} "
@@ -103,6 +109,8 @@ def main() -> None:
             )
             for line in problems[:20]:
                 print("    " + line)
+            if new_keys:
+                print(f"    new at head{' (not compared)' if args.new_keys_ok else ''}: {', '.join(new_keys)}")
             differing += bool(problems)
     finally:
         subprocess.run(["git", "worktree", "remove", "--force", str(worktree)], cwd=REPO, capture_output=True)

