@@ -25,6 +25,7 @@ Relative to grpo.py this file changes:
   - advantages: R - group mean, no std (a flag turns the std back on)
   - loss: detached, truncated IS weight × divergence mask × log π, instead of the clipped ratio surrogate
   - anchor: old_logprobs are the sampler's log-probs μ (rollout_logprobs), nothing is recomputed
+  - rollout correction: none on top (--correction.mode auto -> none, others refused): ρ = π_θ/μ is that weight
   - aggregation: Σ tokens / (sequences × max_new_tokens), as Dr. GRPO
   - 4 minibatches per rollout by default: on the first, π_θ = μ and the mask is inert (authors: 8 per batch);
     no KL (kl_coef = 0 loads no reference model). The top-K TV/KL variants need the sampler's top-K
@@ -60,6 +61,7 @@ import tyro
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from common.bookkeeping import Bookkeeper, pack_rollout, rollout_stats, sample_rows  # noqa: E402
+from common.correction import CorrectionConfig, correction_weights, resolve_correction  # noqa: E402
 from common.evaluate import EvalConfig  # noqa: E402
 from common.logprobs import token_logprobs, token_logprobs_batched  # noqa: E402
 from common.rollout import RolloutConfig, make_engine  # noqa: E402
@@ -116,6 +118,8 @@ class Args:
     """nucleus threshold of training rollouts: must be 1 (the trainer's log-probs are of the full distribution)"""
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     """rollout engine settings"""
+    correction: CorrectionConfig = field(default_factory=CorrectionConfig)
+    """importance weights for the sampler/trainer gap on the policy-gradient term (common/correction.py)"""
     # optimisation
     learning_rate: float | None = None
     """AdamW learning rate (None = 1e-4 for the tiny model; required for any other model, ~1e-6 at 1.5B-7B)"""
@@ -280,6 +284,9 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> float:
 def main() -> None:
     args = tyro.cli(Args)
     run = start_run(args)  # flags checked, processes started, precision chosen, run folder claimed, seeded
+    # ALGO LOGIC: the loss's ratio is π_θ/μ already (μ = the sampler's log-probs): no correction weight on top
+    own = "its ratio and trust region are anchored to the sampler's log-probs μ"
+    args.correction = resolve_correction(args.correction, args.rollout, own_correction=own)  # 'auto' -> none
     accelerator, device, autocast = run.accelerator, run.device, run.autocast
     compute_advantages(torch.zeros(2 * args.group_size), args.group_size)  # fail fast on a group size it rejects
     # ALGO LOGIC: δ defaults by divergence
@@ -398,6 +405,10 @@ def main() -> None:
                     if epoch == 0 and start == 0:  # sampler vs trainer log-prob gap, on the untouched policy
                         gap = (logprobs.detach() - rollout_logprobs[rows]).abs()
                         loss_stats["logprob_gap"] = masked_mean(gap, completion_mask[rows])
+                        _, correction_stats = correction_weights(  # ALGO LOGIC: mode none, the metrics only
+                            logprobs.detach(), rollout_logprobs[rows], completion_mask[rows], args.correction
+                        )
+                        loss_stats |= correction_stats
                     for k, v in loss_stats.items():
                         update_stats.setdefault(k, []).append(v)
                 update_stats.setdefault("loss", []).append(minibatch_loss)

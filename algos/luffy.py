@@ -58,6 +58,7 @@ import tyro
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from common.bookkeeping import Bookkeeper, pack_rollout, sample_rows  # noqa: E402
+from common.correction import CorrectionConfig, correction_weights, resolve_correction  # noqa: E402
 from common.data import format_prompt, teacher_completion  # noqa: E402
 from common.evaluate import EvalConfig  # noqa: E402
 from common.logprobs import token_logprobs, token_logprobs_batched  # noqa: E402
@@ -115,6 +116,8 @@ class Args:
     """nucleus threshold of training rollouts: must be 1 (the trainer's log-probs are of the full distribution)"""
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     """rollout engine settings"""
+    correction: CorrectionConfig = field(default_factory=CorrectionConfig)
+    """importance weights for the sampler/trainer gap on the policy-gradient term (common/correction.py)"""
     # optimisation
     learning_rate: float | None = None
     """AdamW learning rate (None = 1e-4 for the tiny model; required for any other model, ~1e-6 at 1.5B-7B)"""
@@ -212,6 +215,7 @@ def policy_loss(
     kl_coef: float = 0.0,
     ref_logprobs: torch.Tensor | None = None,
     num_tokens: int | float | None = None,
+    is_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """LUFFY loss: PPO clip on on-policy rows, -A·f(π_θ) on teacher rows (``off_policy_mask``), token mean.
 
@@ -219,6 +223,8 @@ def policy_loss(
     rows: π_φ is taken as 1); advantages (B,) or (B,T); mask (B,T) 1 on completion tokens (EOS included);
     off_policy_mask (B,) bool, True for teacher traces. ``num_tokens`` is the number of valid tokens in the
     optimiser mini-batch (default mask.sum()): passing it lets micro-batches accumulate to the mini-batch loss.
+    ``is_weights`` (B,T) detached: rollout-correction weights π_old/μ, on the on-policy surrogate only (teacher rows
+    had no sampler: their weight is 1 whatever is passed there; never on the KL).
     """
     mask = mask.float()
     adv = advantages.unsqueeze(-1) if advantages.dim() == 1 else advantages
@@ -230,6 +236,8 @@ def policy_loss(
         on_token = torch.max(on_token, -adv * ratio.clamp(1.0 - clip_eps, 1.0 + clip_eps))
     prob = torch.exp(logprobs)  # π_θ of the teacher token; π_φ = 1, so this is the importance ratio
     off_token = -adv * (shaping_fn(prob, shaping_gamma) if shaping else prob)
+    if is_weights is not None:  # the sampler was μ, not π_old: reweight the on-policy policy-gradient term
+        on_token = on_token * is_weights
     per_token = torch.where(off, off_token, on_token)
     metrics = {}
     if kl_coef > 0:
@@ -287,6 +295,7 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> float:
 def main() -> None:
     args = tyro.cli(Args)
     run = start_run(args)  # flags checked, processes started, precision chosen, run folder claimed, seeded
+    args.correction = resolve_correction(args.correction, args.rollout)  # 'auto': on when the sampler is not the model
     accelerator, device, autocast = run.accelerator, run.device, run.autocast
     compute_advantages(torch.zeros(2 * args.group_size), args.group_size)  # fail fast on a group size it rejects
     if args.group_size < 2:  # ALGO LOGIC
@@ -401,6 +410,12 @@ def main() -> None:
                                 fp32_head=run.fp32_head,
                             )
                         old = logprobs.detach() if on_policy else old_logprobs[rows]
+                        # ALGO LOGIC: the policy's own tokens; a teacher row's "rollout log-probs" are 0 (π_φ = 1), not
+                        # a sampler's: it is left out of the mismatch metrics and policy_loss gives it weight 1
+                        on_mask = completion_mask[rows] * (~off_policy[rows]).float().unsqueeze(-1)
+                        is_weights, correction_stats = correction_weights(
+                            old, rollout_logprobs[rows], on_mask, args.correction
+                        )
                         loss, loss_stats = policy_loss(
                             logprobs,
                             old,
@@ -414,11 +429,10 @@ def main() -> None:
                             kl_coef=args.kl_coef,
                             ref_logprobs=None if ref_logprobs is None else ref_logprobs[rows],
                             num_tokens=num_tokens,
+                            is_weights=is_weights,
                         )
                         accelerator.backward(loss)
                     minibatch_loss += loss.item()
-                    # ALGO LOGIC: the policy's own tokens
-                    on_mask = completion_mask[rows] * (~off_policy[rows]).float().unsqueeze(-1)
                     if on_mask.sum() > 0:  # length-sorted micro-batches can hold teacher traces only
                         loss_stats["entropy"] = masked_mean(entropy, on_mask)
                     if off_policy[rows].any():
@@ -428,6 +442,8 @@ def main() -> None:
                     ):  # sampler vs trainer log-prob gap, untouched policy
                         gap = (logprobs.detach() - rollout_logprobs[rows]).abs()
                         loss_stats["logprob_gap"] = masked_mean(gap, on_mask)
+                    if epoch == 0 and on_mask.sum() > 0:  # every sampled token once: the mismatch and the weights
+                        loss_stats |= correction_stats
                     for k, v in loss_stats.items():
                         update_stats.setdefault(k, []).append(v)
                 update_stats.setdefault("loss", []).append(minibatch_loss)

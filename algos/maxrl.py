@@ -53,6 +53,7 @@ import tyro
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from common.bookkeeping import Bookkeeper, pack_rollout, rollout_stats, sample_rows  # noqa: E402
+from common.correction import CorrectionConfig, correction_weights, resolve_correction  # noqa: E402
 from common.evaluate import EvalConfig  # noqa: E402
 from common.logprobs import token_logprobs, token_logprobs_batched  # noqa: E402
 from common.rollout import RolloutConfig, make_engine  # noqa: E402
@@ -109,6 +110,8 @@ class Args:
     """nucleus threshold of training rollouts: must be 1 (the trainer's log-probs are of the full distribution)"""
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     """rollout engine settings"""
+    correction: CorrectionConfig = field(default_factory=CorrectionConfig)
+    """importance weights for the sampler/trainer gap on the policy-gradient term (common/correction.py)"""
     # optimisation
     learning_rate: float | None = None
     """AdamW learning rate (None = 1e-4 for the tiny model; required for any other model, ~1e-6 at 1.5B-7B)"""
@@ -184,6 +187,7 @@ def policy_loss(
     kl_coef: float = 0.0,
     ref_logprobs: torch.Tensor | None = None,
     num_tokens: float | torch.Tensor | None = None,
+    is_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """MaxRL loss: REINFORCE -Â·π/π_old (+ β·k3), summed over tokens and divided by ``num_tokens``.
 
@@ -191,11 +195,14 @@ def policy_loss(
     and the gradient is -Â∇log π); advantages (B,) or (B,T); mask (B,T) 1 on generated tokens (EOS
     included). ``num_tokens`` is the optimiser mini-batch's token count (default mask.sum()): passing it
     lets micro-batches accumulate to exactly the mini-batch token mean.
+    ``is_weights`` (B,T) detached: rollout-correction weights π_old/μ, on the REINFORCE term only (not the KL).
     """
     valid = mask.bool()
     adv = advantages.unsqueeze(-1) if advantages.dim() == 1 else advantages
     ratio = torch.exp((logprobs - old_logprobs).clamp(-20.0, 20.0))  # as verl: keeps exp finite
     per_token = -adv * ratio
+    if is_weights is not None:  # the sampler was μ, not π_old: reweight the policy-gradient term
+        per_token = per_token * is_weights
     metrics = {}
     if kl_coef > 0:
         if ref_logprobs is None:
@@ -219,6 +226,7 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> float:
 def main() -> None:
     args = tyro.cli(Args)
     run = start_run(args)  # flags checked, processes started, precision chosen, run folder claimed, seeded
+    args.correction = resolve_correction(args.correction, args.rollout)  # 'auto': on when the sampler is not the model
     accelerator, device, autocast = run.accelerator, run.device, run.autocast
     compute_advantages(torch.zeros(2 * args.group_size), args.group_size)  # fail fast on a group size it rejects
     if args.num_minibatches != 1 or args.num_epochs != 1:  # ALGO LOGIC
@@ -323,6 +331,9 @@ def main() -> None:
                                 fp32_head=run.fp32_head,
                             )
                         old = logprobs.detach() if on_policy else old_logprobs[rows]
+                        is_weights, correction_stats = correction_weights(
+                            old, rollout_logprobs[rows], completion_mask[rows], args.correction
+                        )
                         loss, loss_stats = policy_loss(
                             logprobs,
                             old,
@@ -331,6 +342,7 @@ def main() -> None:
                             kl_coef=args.kl_coef,
                             ref_logprobs=None if ref_logprobs is None else ref_logprobs[rows],
                             num_tokens=num_tokens,
+                            is_weights=is_weights,
                         )
                         accelerator.backward(loss)
                     minibatch_loss += loss.item()
@@ -338,6 +350,8 @@ def main() -> None:
                     if epoch == 0 and start == 0:  # sampler vs trainer log-prob gap, on the untouched policy
                         gap = (logprobs.detach() - rollout_logprobs[rows]).abs()
                         loss_stats["logprob_gap"] = masked_mean(gap, completion_mask[rows])
+                    if epoch == 0:  # every sampled token once: the sampler/trainer mismatch and the weights' statistics
+                        loss_stats |= correction_stats
                     for k, v in loss_stats.items():
                         update_stats.setdefault(k, []).append(v)
                 update_stats.setdefault("loss", []).append(minibatch_loss)

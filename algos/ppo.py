@@ -52,6 +52,7 @@ from transformers import AutoConfig, AutoModelForTokenClassification
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from common.bookkeeping import Bookkeeper, pack_rollout, rollout_stats, sample_rows  # noqa: E402
+from common.correction import CorrectionConfig, correction_weights, resolve_correction  # noqa: E402
 from common.evaluate import EvalConfig  # noqa: E402
 from common.logprobs import token_logprobs, token_logprobs_batched  # noqa: E402
 from common.rollout import RolloutConfig, make_engine  # noqa: E402
@@ -109,6 +110,8 @@ class Args:
     """nucleus threshold of training rollouts: must be 1 (the trainer's log-probs are of the full distribution)"""
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     """rollout engine settings"""
+    correction: CorrectionConfig = field(default_factory=CorrectionConfig)
+    """importance weights for the sampler/trainer gap on the policy-gradient term (common/correction.py)"""
     # optimisation
     learning_rate: float | None = None
     """AdamW learning rate (None = 1e-4 for the tiny model; required for any other model, ~1e-6 at 1.5B-7B)"""
@@ -232,18 +235,22 @@ def policy_loss(
     mask: torch.Tensor,
     clip_eps: float = 0.2,
     num_tokens: float | None = None,
+    is_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """PPO clipped surrogate, token mean: Σ_{i,t} m·ℓ / ``num_tokens``.
 
     logprobs (B,T) with grad; old_logprobs (B,T) detached; advantages (B,T) (or (B,)); mask (B,T).
     ``num_tokens`` is the token count of the optimiser mini-batch (default: the tokens passed in): passing it
-    lets micro-batches accumulate to exactly the mini-batch loss.
+    lets micro-batches accumulate to exactly the mini-batch loss. ``is_weights`` (B,T) detached: rollout-correction
+    weights π_old/μ, on this surrogate only (the critic's value loss is untouched).
     """
     mask = mask.float()
     adv = advantages.unsqueeze(-1) if advantages.dim() == 1 else advantages
     log_ratio = (logprobs - old_logprobs).clamp(-20.0, 20.0)  # as verl: keeps exp finite
     ratio = torch.exp(log_ratio)
     per_token = torch.max(-adv * ratio, -adv * ratio.clamp(1.0 - clip_eps, 1.0 + clip_eps))
+    if is_weights is not None:  # the sampler was μ, not π_old: reweight the policy-gradient term
+        per_token = per_token * is_weights
     loss = (per_token * mask).sum() / (num_tokens or mask.sum().clamp(min=1))
     metrics = {}
     with torch.no_grad():
@@ -295,6 +302,7 @@ def masked_var(x: torch.Tensor, mask: torch.Tensor) -> float:
 def main() -> None:
     args = tyro.cli(Args)
     run = start_run(args)  # flags checked, processes started, precision chosen, run folder claimed, seeded
+    args.correction = resolve_correction(args.correction, args.rollout)  # 'auto': on when the sampler is not the model
     accelerator, device, autocast = run.accelerator, run.device, run.autocast
     args.critic_learning_rate = args.critic_learning_rate or 5 * args.learning_rate
     batch_size = run.local_prompts * args.group_size  # sequences per process per step
@@ -481,6 +489,9 @@ def main() -> None:
                                 fp32_head=run.fp32_head,
                             )
                         old = logprobs.detach() if on_policy else old_logprobs[rows]
+                        is_weights, correction_stats = correction_weights(
+                            old, rollout_logprobs[rows], completion_mask[rows], args.correction
+                        )
                         loss, loss_stats = policy_loss(
                             logprobs,
                             old,
@@ -488,6 +499,7 @@ def main() -> None:
                             completion_mask[rows],
                             clip_eps=args.clip_eps,
                             num_tokens=num_tokens,
+                            is_weights=is_weights,
                         )
                         accelerator.backward(loss)
                     minibatch_loss += loss.item()
@@ -495,6 +507,8 @@ def main() -> None:
                     if epoch == 0 and start == 0:  # sampler vs trainer log-prob gap, on the untouched policy
                         gap = (logprobs.detach() - rollout_logprobs[rows]).abs()
                         loss_stats["logprob_gap"] = masked_mean(gap, completion_mask[rows])
+                    if epoch == 0:  # every sampled token once: the sampler/trainer mismatch and the weights' statistics
+                        loss_stats |= correction_stats
                     for k, v in loss_stats.items():
                         update_stats.setdefault(k, []).append(v)
                 update_stats.setdefault("loss", []).append(minibatch_loss)

@@ -52,6 +52,7 @@ import tyro
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from common.bookkeeping import Bookkeeper, pack_rollout, rollout_stats, sample_rows  # noqa: E402
+from common.correction import CorrectionConfig, correction_weights, resolve_correction  # noqa: E402
 from common.evaluate import EvalConfig  # noqa: E402
 from common.logprobs import token_logprobs, token_logprobs_batched  # noqa: E402
 from common.rollout import RolloutConfig, make_engine  # noqa: E402
@@ -108,6 +109,8 @@ class Args:
     """nucleus threshold of training rollouts: must be 1 (the trainer's log-probs are of the full distribution)"""
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     """rollout engine settings"""
+    correction: CorrectionConfig = field(default_factory=CorrectionConfig)
+    """importance weights for the sampler/trainer gap on the policy-gradient term (common/correction.py)"""
     # optimisation
     learning_rate: float | None = None
     """AdamW learning rate (None = 1e-4 for the tiny model; required for any other model, ~1e-6 at 1.5B-7B)"""
@@ -192,6 +195,7 @@ def policy_loss(
     mask: torch.Tensor,
     clip_eps: float = 0.2,
     num_sequences: int | None = None,
+    is_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """RLOO loss: -min(ρ_i A_i, clip(ρ_i, 1-ε, 1+ε) A_i) per sequence, summed and divided by ``num_sequences``.
 
@@ -199,11 +203,15 @@ def policy_loss(
     with grad; old_logprobs (B,T) detached (on-policy pass ``logprobs.detach()``: then ρ = 1 and the gradient is
     REINFORCE's -(1/B) Σ_i A_i ∇ Σ_t log π_θ); advantages (B,), one per sequence; mask (B,T) 1 on generated
     tokens (EOS included). ``num_sequences`` is the size of the optimiser mini-batch (default B): passing it
-    lets micro-batches accumulate to exactly the mini-batch loss.
+    lets micro-batches accumulate to exactly the mini-batch loss. ``is_weights`` (B,T) detached: rollout-correction
+    weights w_t = π_old/μ; each token's ∇log π_θ is multiplied by w_t (the gradient is -A_i ρ_i Σ_t w_t ∇log π_θ,
+    a sequence mode's w_i constant over o_i), while ρ_i, its clip and the loss value are left as they are.
     """
     if advantages.dim() != 1:
         raise ValueError(f"RLOO advantages are one per sequence, shape (B,); got {tuple(advantages.shape)}")
     mask = mask.float()
+    if is_weights is not None:  # the sampler was μ, not π_old: reweight each token's policy-gradient term by w_t
+        logprobs = logprobs.detach() + is_weights * (logprobs - logprobs.detach())
     # the clamp keeps exp finite (verl clamps per token)
     seq_log_ratio = ((logprobs - old_logprobs) * mask).sum(-1).clamp(-20.0, 20.0)
     ratio = torch.exp(seq_log_ratio)
@@ -222,6 +230,7 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> float:
 def main() -> None:
     args = tyro.cli(Args)
     run = start_run(args)  # flags checked, processes started, precision chosen, run folder claimed, seeded
+    args.correction = resolve_correction(args.correction, args.rollout)  # 'auto': on when the sampler is not the model
     accelerator, device, autocast = run.accelerator, run.device, run.autocast
     compute_advantages(torch.zeros(2 * args.group_size), args.group_size)  # fail fast on a group size it rejects
     batch_size = run.local_prompts * args.group_size  # sequences per process per step
@@ -323,6 +332,9 @@ def main() -> None:
                                 fp32_head=run.fp32_head,
                             )
                         old = logprobs.detach() if on_policy else old_logprobs[rows]
+                        is_weights, correction_stats = correction_weights(
+                            old, rollout_logprobs[rows], completion_mask[rows], args.correction
+                        )
                         loss, loss_stats = policy_loss(
                             logprobs,
                             old,
@@ -330,6 +342,7 @@ def main() -> None:
                             completion_mask[rows],
                             clip_eps=args.clip_eps,
                             num_sequences=minibatch_size,
+                            is_weights=is_weights,
                         )
                         accelerator.backward(loss)
                     minibatch_loss += loss.item()
@@ -337,6 +350,8 @@ def main() -> None:
                     if epoch == 0 and start == 0:  # sampler vs trainer log-prob gap, on the untouched policy
                         gap = (logprobs.detach() - rollout_logprobs[rows]).abs()
                         loss_stats["logprob_gap"] = masked_mean(gap, completion_mask[rows])
+                    if epoch == 0:  # every sampled token once: the sampler/trainer mismatch and the weights' statistics
+                        loss_stats |= correction_stats
                     for k, v in loss_stats.items():
                         update_stats.setdefault(k, []).append(v)
                 update_stats.setdefault("loss", []).append(minibatch_loss)

@@ -32,6 +32,7 @@ Relative to cispo.py this file changes:
 - no-positive-resampling: prompts at pass rate >= 0.9 leave the pool for good (checkpointed with the data cursor).
 - PipelineRL-style lag: the sampler is refreshed every --max-lag optimiser steps and ρ uses its reported log-probs;
   1 optimiser step per rollout batch (the lag makes ρ ≠ 1); the fp32 LM head is on unless --rollout.fp32-lm-head off.
+- rollout correction: none on top (--correction.mode auto -> none, others refused): ρ is π_train/π_gen already.
 
 CPU, offline (the defaults: the shipped tiny model on the synthetic `arith` task):
     python algos/scalerl.py
@@ -59,6 +60,7 @@ import tyro
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from common.bookkeeping import Bookkeeper, pack_rollout, rollout_stats, sample_rows  # noqa: E402
+from common.correction import CorrectionConfig, correction_weights, resolve_correction  # noqa: E402
 from common.evaluate import EvalConfig  # noqa: E402
 from common.logprobs import token_logprobs, token_logprobs_batched  # noqa: E402
 from common.rollout import HFEngine, RolloutConfig, make_engine  # noqa: E402
@@ -115,6 +117,8 @@ class Args:
     """nucleus threshold of training rollouts: must be 1 (the trainer's log-probs are of the full distribution)"""
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     """rollout engine settings"""
+    correction: CorrectionConfig = field(default_factory=CorrectionConfig)
+    """importance weights for the sampler/trainer gap on the policy-gradient term (common/correction.py)"""
     # optimisation
     learning_rate: float | None = None
     """AdamW learning rate (None = 1e-4 for the tiny model; required for any other model, ~1e-6 at 1.5B-7B)"""
@@ -329,6 +333,9 @@ def main() -> None:
     if args.rollout.fp32_lm_head == "auto":  # ALGO LOGIC: ScaleRL's fp32 LM head, in the trainer and in vLLM
         args.rollout.fp32_lm_head = "on"
     run = start_run(args)  # flags checked, processes started, precision chosen, run folder claimed, seeded
+    # ALGO LOGIC: the loss's IS weight is min(π_θ/μ, ε_max) already (μ = the engine's log-probs): no weight on top
+    own = "its capped IS weight min(π_θ/μ, ε_max) is taken against the sampler's log-probs μ"
+    args.correction = resolve_correction(args.correction, args.rollout, own_correction=own)  # 'auto' -> none
     accelerator, device, autocast = run.accelerator, run.device, run.autocast
     compute_advantages(torch.zeros(2 * args.group_size), args.group_size)  # fail fast on a group size it rejects
     batch_size = run.local_prompts * args.group_size  # sequences per process per step
@@ -350,7 +357,11 @@ def main() -> None:
     # (and the HF engine of an --fsdp policy, which samples from a gathered copy) holds one already
     own_copy = isinstance(engine, HFEngine) and not engine.sharded
     sampler_model = load_model(run, frozen=True) if own_copy else None
-    rollout_engine = engine if sampler_model is None else HFEngine(sampler_model, tokenizer, args.rollout.hf_max_batch)
+    rollout_engine = (
+        engine
+        if sampler_model is None
+        else HFEngine(sampler_model, tokenizer, args.rollout.hf_max_batch, args.rollout.logit_noise)
+    )
     lagged = LaggedSampler(rollout_engine, engine, raw_model, sampler_model, args.max_lag)
     pool = PromptPool(args.retire_pass_rate)
     state = {"model": raw_model, "optimizer": optimizer, "scheduler": scheduler, "lag": lagged, "pool": pool}
@@ -465,6 +476,10 @@ def main() -> None:
                     if epoch == 0 and start == 0:  # sampler vs trainer log-prob gap, on the untouched policy
                         gap = (logprobs.detach() - rollout_logprobs[rows]).abs()
                         loss_stats["logprob_gap"] = masked_mean(gap, completion_mask[rows])
+                        _, correction_stats = correction_weights(  # ALGO LOGIC: mode none, the metrics only
+                            logprobs.detach(), rollout_logprobs[rows], completion_mask[rows], args.correction
+                        )
+                        loss_stats |= correction_stats
                     for k, v in loss_stats.items():
                         update_stats.setdefault(k, []).append(v)
                 update_stats.setdefault("loss", []).append(minibatch_loss)

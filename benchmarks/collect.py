@@ -372,6 +372,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("suite")
     parser.add_argument("--runs-root", default=str(REPO / "runs"))
+    parser.add_argument(
+        "--claims",
+        nargs="+",
+        help="judge only these claim ids of the manifest, over the runs present, into results/<suite>/<first id>/ "
+        "(the suite's own table, runs.csv and README block stay as they are: for a claim added to a judged suite)",
+    )
     args = parser.parse_args()
     run_dirs = sorted((Path(args.runs_root) / args.suite).glob("*"))
     runs = [r for r in (read_run(d) for d in run_dirs if d.is_dir()) if r is not None]
@@ -380,11 +386,16 @@ def main() -> None:
             f"no finished runs under {Path(args.runs_root) / args.suite}; "
             f"run `python benchmarks/run.py {args.suite}` first"
         )
-    out = REPO / "benchmarks" / "results" / args.suite
+    out = REPO / "benchmarks" / "results" / args.suite / (args.claims[0] if args.claims else "")
     out.mkdir(parents=True, exist_ok=True)
     write_runs_csv(runs, out / "runs.csv")
     markdown = table(runs, args.suite)
     manifest = tomllib.loads((REPO / "benchmarks" / "suites" / f"{args.suite}.toml").read_text())
+    if args.claims:
+        unknown = set(args.claims) - {c["id"] for c in manifest.get("claims", [])}
+        if unknown:
+            raise SystemExit(f"--claims {' '.join(sorted(unknown))}: no such claim id in {args.suite}.toml")
+        manifest["claims"] = [c for c in manifest["claims"] if c["id"] in args.claims]
     claims_md, fits_md = claims_section(manifest["claims"], runs, out) if manifest.get("claims") else ("", "")
     if claims_md:
         markdown = "\n\n".join(filter(None, (claims_md, fits_md, "## Every run", markdown)))
@@ -401,8 +412,10 @@ def main() -> None:
         readme_text = readme_text.replace(f"]({png})", f"](benchmarks/results/{args.suite}/{png})")
     if not claims_md:
         readme_text += f"\n\n![learning curves](benchmarks/results/{args.suite}/curves.png)"
-    updated = update_readme(args.suite, readme_text)
-    pages = update_docs(markdown) if args.suite == "tiny" else []  # the docs pages quote the tiny suite's rows
+    updated = not args.claims and update_readme(args.suite, readme_text)
+    pages = (
+        update_docs(markdown) if args.suite == "tiny" and not args.claims else []
+    )  # the docs pages quote the tiny suite's rows
     print(markdown)
     print(f"\nwrote {out}/runs.csv, table.md, curves.png" + ("; updated README.md" if updated else ""))
     if pages:

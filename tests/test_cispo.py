@@ -137,3 +137,35 @@ def test_micro_batches_and_processes_accumulate_to_the_minibatch_gradient(cispo)
         cispo.policy_loss(local, old[rows], adv[rows], mask[rows], num_tokens=float(mask.sum()) / 2)[0].backward()
         averaged[rows] = local.grad / 2
     assert torch.allclose(whole.grad, averaged, atol=1e-7)
+
+
+def test_correction_weights_of_one_change_nothing(cispo):
+    torch.manual_seed(3)
+    lp0, adv = torch.randn(3, 4), torch.randn(3)
+    old, ref = lp0 - 3.0 * torch.rand(3, 4), lp0 + 0.5 * torch.randn(3, 4)  # ratios up to e^3: some capped at 5
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0], [1, 1, 1, 1]])
+    out = []
+    for weights in (None, torch.ones(3, 4)):
+        lp = lp0.clone().requires_grad_()
+        loss, metrics = cispo.policy_loss(lp, old, adv, mask, kl_coef=0.1, ref_logprobs=ref, is_weights=weights)
+        loss.backward()
+        out.append((loss, lp.grad, metrics))
+    assert torch.equal(out[0][0], out[1][0]) and torch.equal(out[0][1], out[1][1]) and out[0][2] == out[1][2]
+
+
+def test_correction_weights_compose_with_the_capped_is_weight_not_the_kl(cispo):
+    old = torch.tensor([[math.log(0.5 / 3), math.log(0.5)]])
+    lp = torch.tensor([[math.log(0.5), math.log(0.5)]], requires_grad=True)  # r = [3, 1], under ε_max = 5
+    weights, ref = torch.tensor([[2.0, 0.5]]), torch.zeros(1, 2)  # π_ref = 1: δ = log 2, k3 = 2 - log 2 - 1
+    loss, metrics = cispo.policy_loss(lp, old, torch.tensor([1.0]), torch.ones(1, 2), is_weights=weights)
+    loss.backward()
+    # ℓ_t = -w_t·sg(min(r_t, 5))·Â·log π_t = [-2·3·log 0.5, -0.5·1·log 0.5] = [6 log 2, 0.5 log 2]; token mean:
+    # L = 3.25 log 2; dL/dlogp_t = -w_t·r̂_t·Â / 2 = [-3, -0.25] (the two weights multiply: π_θ/π_old and π_old/μ)
+    assert loss.item() == pytest.approx(3.25 * math.log(2))
+    assert torch.allclose(lp.grad, torch.tensor([[-3.0, -0.25]]))
+    assert metrics["is_weight"] == pytest.approx(2.0)  # CISPO's own weight, mean of [3, 1]: the correction's not in it
+    kl_loss, _ = cispo.policy_loss(
+        lp, old, torch.tensor([1.0]), torch.ones(1, 2), kl_coef=0.1, ref_logprobs=ref, is_weights=weights
+    )
+    # + β·Σ_t k3 / 2 = 0.1·2·(1 - log 2) / 2, unweighted (weighted it would be 0.1·2.5·(1 - log 2) / 2)
+    assert kl_loss.item() == pytest.approx(3.25 * math.log(2) + 0.1 * (1 - math.log(2)))

@@ -143,7 +143,9 @@ def test_size_cap_on_formatted_code(script):
     """Caps count formatted, non-blank lines, so wide lines cannot get a script under them."""
     path = REPO / "algos" / f"{script}.py"
     lines = formatted_code_lines(path)
-    cap = 420 if script == "grpo" else 500
+    # non-grpo cap 540 (was 500): the issue-25 wave adds rollout correction, packing, LoRA and async flags to every
+    # script, and the critic/PRM scripts (ppo.py, prime.py) were at 500 already; grpo.py keeps its 420
+    cap = 420 if script == "grpo" else 540
     assert len(lines) <= cap, f"{script}.py has {len(lines)} non-blank formatted lines (cap {cap})"
     main = next(n for n in ast.parse(path.read_text()).body if isinstance(n, ast.FunctionDef) and n.name == "main")
     main_cap = 200 if script == "grpo" else 260

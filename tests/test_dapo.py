@@ -188,3 +188,36 @@ def test_kl_is_optional_and_off(dapo):
     assert loss.item() == 0.0 and "kl" not in metrics
     with pytest.raises(ValueError, match="ref_logprobs"):
         dapo.policy_loss(lp, old, torch.zeros(1), torch.ones(1, 2), kl_coef=0.1)
+
+
+def test_correction_weights_of_one_change_nothing(dapo):
+    torch.manual_seed(3)
+    lp0, adv = torch.randn(3, 4), torch.randn(3)
+    old, ref = lp0 + 0.3 * torch.randn(3, 4), lp0 + 0.5 * torch.randn(3, 4)  # ratios far from 1: some tokens clip
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0], [1, 1, 1, 1]])
+    out = []
+    for weights in (None, torch.ones(3, 4)):
+        lp = lp0.clone().requires_grad_()
+        loss, metrics = dapo.policy_loss(lp, old, adv, mask, kl_coef=0.1, ref_logprobs=ref, is_weights=weights)
+        loss.backward()
+        out.append((loss, lp.grad, metrics))
+    assert torch.equal(out[0][0], out[1][0]) and torch.equal(out[0][1], out[1][1]) and out[0][2] == out[1][2]
+
+
+def test_correction_weights_multiply_the_clipped_surrogate_not_the_kl(dapo):
+    old = torch.tensor([[math.log(0.4), math.log(0.5)]])
+    lp = torch.tensor([[math.log(0.6), math.log(0.5)]], requires_grad=True)  # r = [1.5, 1]: the first above 1.28
+    weights, ref = torch.tensor([[2.0, 0.5]]), torch.zeros(1, 2)  # π_ref = 1 on both tokens
+    loss, metrics = dapo.policy_loss(lp, old, torch.tensor([1.0]), torch.ones(1, 2), is_weights=weights)
+    loss.backward()
+    # ℓ = [-min(1.5, 1.28), -1] = [-1.28, -1]; L = (2·(-1.28) + 0.5·(-1)) / 2 tokens = -1.53
+    # dL/dlogp: the clipped token 0, the other -w·Â·r / 2 = -0.25
+    assert loss.item() == pytest.approx(-1.53)
+    assert torch.allclose(lp.grad, torch.tensor([[0.0, -0.25]]))
+    assert metrics["clip_frac_high"] == 0.5  # the clip statistics are of the ratio, not of the weights
+    kl_loss, _ = dapo.policy_loss(
+        lp, old, torch.tensor([1.0]), torch.ones(1, 2), kl_coef=0.1, ref_logprobs=ref, is_weights=weights
+    )
+    # k3(δ) = e^δ - δ - 1 with δ = log π_ref - log π_θ = [log(1/0.6), log 2]; + β·Σ_t k3 / 2, unweighted
+    k3 = [1 / 0.6 - math.log(1 / 0.6) - 1, 2 - math.log(2) - 1]
+    assert kl_loss.item() == pytest.approx(-1.53 + 0.1 * (k3[0] + k3[1]) / 2)

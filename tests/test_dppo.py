@@ -242,3 +242,39 @@ def test_defaults_follow_the_authors(dppo):
     assert args.divergence == "binary_tv" and args.delta is None and args.clip_ratio_c == 10000.0
     assert args.kl_coef == 0.0 and not args.norm_adv_by_std
     assert args.num_minibatches > 1  # otherwise π = μ at every update and the trust region never acts
+
+
+# --- rollout correction -------------------------------------------------------------------------------------
+
+
+class _Stop(Exception):
+    pass
+
+
+def _resolved_correction(module, monkeypatch, *flags):
+    """``args.correction`` as main resolves it from ``flags``: main runs up to the first use of the run, then stops."""
+    seen = {}
+
+    class Run:
+        def __getattr__(self, name):
+            raise _Stop
+
+    def start_run(args):
+        seen["args"] = args
+        return Run()
+
+    monkeypatch.setattr(module, "start_run", start_run)
+    monkeypatch.setattr("sys.argv", ["dppo.py", *flags])
+    with pytest.raises(_Stop):
+        module.main()
+    return seen["args"].correction
+
+
+def test_no_correction_on_top_of_a_ratio_anchored_to_the_sampler(dppo, monkeypatch):
+    """DPPO's ρ = π_θ/μ already takes μ from the sampler (policy_loss gets rollout_logprobs as old_logprobs): with a
+    perturbed sampler 'auto' resolves to none (grpo.py would pick token_truncate), and an explicit mode stops."""
+    assert _resolved_correction(dppo, monkeypatch, "--rollout.logit-noise", "1.0").mode == "none"
+    assert _resolved_correction(dppo, monkeypatch, "--correction.mode", "none").mode == "none"
+    for mode in ("token_truncate", "sequence_mask"):
+        with pytest.raises(SystemExit, match=f"--correction.mode {mode}: not for this script, its ratio"):
+            _resolved_correction(dppo, monkeypatch, "--correction.mode", mode)

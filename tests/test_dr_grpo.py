@@ -162,3 +162,41 @@ def test_no_kl_and_no_reference_by_default(dr):
     lp, old = _on_policy([[-1.0, -2.0]])
     _, metrics = dr.policy_loss(lp, old, torch.ones(1), torch.ones(1, 2), max_new_tokens=L_MAX)
     assert "kl" not in metrics
+
+
+def test_correction_weights_of_one_change_nothing(dr):
+    torch.manual_seed(3)
+    lp0, adv = torch.randn(3, 4), torch.randn(3)
+    old, ref = lp0 + 0.3 * torch.randn(3, 4), lp0 + 0.5 * torch.randn(3, 4)  # ratios far from 1: some tokens clip
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0], [1, 1, 1, 1]])
+    out = []
+    for weights in (None, torch.ones(3, 4)):
+        lp = lp0.clone().requires_grad_()
+        loss, metrics = dr.policy_loss(
+            lp, old, adv, mask, max_new_tokens=L_MAX, kl_coef=0.1, ref_logprobs=ref, is_weights=weights
+        )
+        loss.backward()
+        out.append((loss, lp.grad, metrics))
+    assert torch.equal(out[0][0], out[1][0]) and torch.equal(out[0][1], out[1][1]) and out[0][2] == out[1][2]
+
+
+def test_correction_weights_multiply_the_surrogate_not_the_kl(dr):
+    lp, old = _on_policy([[math.log(0.5), math.log(0.5)]])  # r = 1 on both tokens
+    weights, ref = torch.tensor([[2.0, 0.5]]), torch.zeros(1, 2)  # π_ref = 1: δ = log 2, k3 = 2 - log 2 - 1
+    loss, _ = dr.policy_loss(lp, old, torch.tensor([1.0]), torch.ones(1, 2), max_new_tokens=L_MAX, is_weights=weights)
+    loss.backward()
+    # ℓ_t = -Â·r = -1; L = (2·(-1) + 0.5·(-1)) / (B·L_max = 4) = -0.625; dL/dlogp_t = -w_t·Â·r / 4
+    assert loss.item() == pytest.approx(-0.625)
+    assert torch.allclose(lp.grad, torch.tensor([[-0.5, -0.125]]))
+    kl_loss, _ = dr.policy_loss(
+        lp,
+        old,
+        torch.tensor([1.0]),
+        torch.ones(1, 2),
+        max_new_tokens=L_MAX,
+        kl_coef=0.1,
+        ref_logprobs=ref,
+        is_weights=weights,
+    )
+    # + β·Σ_t k3 / 4 = 0.1·2·(1 - log 2) / 4, unweighted (weighted it would be 0.1·2.5·(1 - log 2) / 4)
+    assert kl_loss.item() == pytest.approx(-0.625 + 0.05 * (1 - math.log(2)))

@@ -140,3 +140,50 @@ def test_micro_batches_accumulate_to_the_minibatch_gradient(gspo):
         lp0,
         (slice(0, 1), slice(1, 4)),
     )
+
+
+@pytest.mark.parametrize("token_level", [False, True])
+def test_correction_weights_of_one_change_nothing(gspo, token_level):
+    lp0, old, adv, mask = random_batch(seed=3, shape=(3, 4), old_noise=0.01)  # s_i near 1: some clip at 3e-4
+    ref = lp0 + 0.5 * torch.randn(3, 4)
+    out = []
+    for weights in (None, torch.ones(3, 4)):
+        lp = lp0.clone().requires_grad_()
+        loss, metrics = gspo.policy_loss(
+            lp, old, adv, mask, token_level=token_level, kl_coef=0.1, ref_logprobs=ref, is_weights=weights
+        )
+        loss.backward()
+        out.append((loss, lp.grad, metrics))
+    assert torch.equal(out[0][0], out[1][0]) and torch.equal(out[0][1], out[1][1]) and out[0][2] == out[1][2]
+
+
+def test_correction_weights_scale_the_sequence_loss_by_their_token_mean(gspo):
+    lp = torch.tensor([[math.log(0.5), math.log(0.5)]], requires_grad=True)
+    old, adv, mask = lp.detach().clone(), torch.tensor([1.0]), torch.ones(1, 2)  # on-policy: s = 1, ℓ = -1
+    weights = torch.tensor([[2.0, 0.5]])
+    loss, _ = gspo.policy_loss(lp, old, adv, mask, is_weights=weights)
+    loss.backward()
+    # every token carries ℓ = -s·Â = -1, times its weight: L = (2·(-1) + 0.5·(-1)) / 2 = -1.25 = ℓ·mean(w);
+    # ∇ℓ = -s·Â·(1/|y|)·Σ_t ∇log π_t, times mean(w) = 1.25: each token -0.5·1.25 = -0.625
+    assert loss.item() == pytest.approx(-1.25)
+    assert torch.allclose(lp.grad, torch.tensor([[-0.625, -0.625]]))
+    # GSPO-token: ℓ_t = -s_t·Â, ds_t/dlogp_t = s = 1: L the same -1.25, dL/dlogp_t = -w_t / 2 = [-1, -0.25]
+    tok = lp.detach().clone().requires_grad_()
+    loss, _ = gspo.policy_loss(tok, old, adv, mask, token_level=True, is_weights=weights)
+    loss.backward()
+    assert loss.item() == pytest.approx(-1.25)
+    assert torch.allclose(tok.grad, torch.tensor([[-1.0, -0.25]]))
+    # a sequence mode's weight, constant over y_i, is a plain factor on ℓ_i: here 3
+    seq = lp.detach().clone().requires_grad_()
+    loss, _ = gspo.policy_loss(seq, old, adv, mask, is_weights=torch.full((1, 2), 3.0))
+    loss.backward()
+    assert loss.item() == pytest.approx(-3.0) and torch.allclose(seq.grad, torch.tensor([[-1.5, -1.5]]))
+
+
+def test_correction_weights_leave_the_kl_unweighted(gspo):
+    lp = torch.tensor([[math.log(0.5), math.log(0.5)]], requires_grad=True)
+    old, adv, mask = lp.detach().clone(), torch.tensor([1.0]), torch.ones(1, 2)
+    ref = torch.zeros(1, 2)  # π_ref = 1: δ = log 2, k3 = 2 - log 2 - 1 on each token
+    loss, _ = gspo.policy_loss(lp, old, adv, mask, kl_coef=0.1, ref_logprobs=ref, is_weights=torch.tensor([[2.0, 0.5]]))
+    # -1.25 as above, + β·(token mean of k3) = 0.1·(1 - log 2) (weighted it would be 0.1·1.25·(1 - log 2))
+    assert loss.item() == pytest.approx(-1.25 + 0.1 * (1 - math.log(2)))

@@ -236,3 +236,95 @@ def test_offline_teachers_fit_the_default_budget_and_are_correct(luffy, tok, dat
     assert all(t.finish_reason == "stop" for t in teachers)
     texts = tok.batch_decode([t.token_ids for t in teachers], skip_special_tokens=True)
     assert all(o.correct for o in compute_rewards("exact", texts, [p["answer"] for p in problems]))
+
+
+# ---------------------------------------------------------------------------------------------- rollout correction
+def test_correction_weights_of_one_change_nothing(luffy):
+    lp0, old, adv, mask, off = _random_batch(3)
+    a, b = lp0.clone().requires_grad_(), lp0.clone().requires_grad_()
+    la, ma = luffy.policy_loss(a, old, adv, mask, off)
+    lb, mb = luffy.policy_loss(b, old, adv, mask, off, is_weights=torch.ones_like(lp0))
+    la.backward()
+    lb.backward()
+    assert la.item() == lb.item() and torch.equal(a.grad, b.grad) and ma == mb  # exactly, not approximately
+
+
+def test_correction_weights_multiply_the_on_policy_surrogate_hand_values(luffy):
+    # one on-policy sequence, two tokens, A = 1, ratios 1.1 (inside [0.8, 1.2]) and 1.5 (clipped to 1.2), w = [2, 0.5]
+    # ℓ_1 = -w_1·1.1 = -2.2, ∂ℓ_1/∂log π = -2.2;  ℓ_2 = -w_2·1.2 = -0.6, ∂ℓ_2/∂log π = 0 (clipped)
+    # token mean over 2 tokens: L = -1.4, grad = [-1.1, 0]
+    old = torch.tensor([[-1.0, -2.0]])
+    lp = (old + torch.log(torch.tensor([[1.1, 1.5]]))).requires_grad_()
+    w = torch.tensor([[2.0, 0.5]])
+    loss, _ = luffy.policy_loss(lp, old, torch.ones(1), torch.ones(1, 2), torch.tensor([False]), is_weights=w)
+    loss.backward()
+    assert loss.item() == pytest.approx(-1.4, rel=1e-6)
+    assert lp.grad.tolist()[0] == pytest.approx([-1.1, 0.0], abs=1e-6)
+
+
+def test_teacher_rows_have_weight_one_whatever_is_passed(luffy):
+    # row 0 on-policy: π_θ = π_old = 0.5 (ρ = 1), A = 1, w = 2 -> ℓ = -2, ∂ℓ/∂log π = -2
+    # row 1 teacher: p = 0.3, A = 1, a nonsense weight 7 -> ℓ = -f(0.3) = -0.75, ∂ℓ/∂log p = -γp/(p+γ)² = -0.1875
+    # token mean over 2 tokens: L = (-2 - 0.75)/2 = -1.375, grad = [-1, -0.09375]
+    lp = torch.log(torch.tensor([[0.5], [0.3]])).requires_grad_()
+    w = torch.tensor([[2.0], [7.0]])
+    loss, _ = luffy.policy_loss(
+        lp, lp.detach(), torch.ones(2), torch.ones(2, 1), torch.tensor([False, True]), is_weights=w
+    )
+    loss.backward()
+    assert loss.item() == pytest.approx(-1.375, rel=1e-6)
+    assert lp.grad.flatten().tolist() == pytest.approx([-1.0, -0.09375], rel=1e-6)
+
+
+def test_teacher_rows_stay_out_of_the_correction_as_main_builds_it(luffy):
+    """main passes the on-policy mask to correction_weights: a teacher row's "rollout log-probs" are the 0 that
+    teacher_completions reports (π_φ = 1), not a sampler's, so its ratio π_old/1 = p must neither weight it nor enter
+    the mismatch metrics."""
+    import ast
+    import inspect
+
+    from common.correction import CorrectionConfig, correction_weights
+
+    # on row: π_old = [0.5, 0.4], μ = [0.25, 0.8] -> ρ = [2, 0.5], token_truncate C = 2 -> w = [2, 0.5];
+    # k3 = mean(ρ - 1 - log ρ) = ((1 - ln 2) + (-0.5 + ln 2))/2 = 0.25, |log ρ| = ln 2 on both tokens.
+    # teacher row: π_old = 0.3 against μ "= 1": ρ = 0.3 (|log ρ| = 1.204) would down-weight it and raise the metrics
+    old = torch.log(torch.tensor([[0.5, 0.4], [0.3, 0.3]]))
+    rollout = torch.tensor([[math.log(0.25), math.log(0.8)], [0.0, 0.0]])
+    mask, off = torch.ones(2, 2), torch.tensor([False, True])
+    on_mask = mask * (~off).float().unsqueeze(-1)  # as main
+    w, stats = correction_weights(old, rollout, on_mask, CorrectionConfig(mode="token_truncate", cap=2.0))
+    assert w[0].tolist() == pytest.approx([2.0, 0.5], rel=1e-6)
+    assert stats["mismatch_kl_k3"] == pytest.approx(0.25, rel=1e-5)
+    assert stats["log_ratio_abs_max"] == pytest.approx(math.log(2), rel=1e-5)
+    lp_a, lp_b = old.clone().requires_grad_(), old.clone().requires_grad_()
+    luffy.policy_loss(lp_a, old, torch.ones(2), mask, off, is_weights=w)[0].backward()
+    luffy.policy_loss(lp_b, old, torch.ones(2), mask, off)[0].backward()
+    assert torch.equal(lp_a.grad[1], lp_b.grad[1])  # the teacher row: weight 1
+    assert lp_a.grad[0].tolist() == pytest.approx((lp_b.grad[0] * torch.tensor([2.0, 0.5])).tolist(), rel=1e-6)
+    call = next(
+        c
+        for c in ast.walk(ast.parse(inspect.getsource(luffy.main)))
+        if isinstance(c, ast.Call) and getattr(c.func, "id", "") == "correction_weights"
+    )
+    assert ast.unparse(call.args[2]) == "on_mask"
+
+
+def test_correction_weights_leave_the_kl_term_alone(luffy):
+    # π_θ = π_old = 0.5 (ρ = 1), π_ref = 0.25, A = 1, β = 0.1, w = [2, 0.5]; k3 = 0.5 + ln 2 - 1 per token and
+    # ∂k3/∂log π_θ = 1 - π_ref/π_θ = 0.5: L = (-2 - 0.5)/2 + 0.1·k3 = -1.2306853 (-1.2258571 were k3 weighted too),
+    # grad = (-w + 0.1·0.5)/2 = [-0.975, -0.225]
+    lp = torch.log(torch.tensor([[0.5, 0.5]])).requires_grad_()
+    ref, w = torch.log(torch.tensor([[0.25, 0.25]])), torch.tensor([[2.0, 0.5]])
+    loss, _ = luffy.policy_loss(
+        lp,
+        lp.detach(),
+        torch.ones(1),
+        torch.ones(1, 2),
+        torch.tensor([False]),
+        kl_coef=0.1,
+        ref_logprobs=ref,
+        is_weights=w,
+    )
+    loss.backward()
+    assert loss.item() == pytest.approx(-1.25 + 0.1 * (0.5 + math.log(2) - 1), rel=1e-6)
+    assert lp.grad.tolist()[0] == pytest.approx([-0.975, -0.225], rel=1e-6)

@@ -151,3 +151,31 @@ def test_script_defaults_and_refuses_batch_reuse(maxrl, monkeypatch):
         monkeypatch.setattr(sys, "argv", ["maxrl.py", flag, "2"])
         with pytest.raises(SystemExit, match="one update per batch"):
             maxrl.main()
+
+
+def test_correction_weights_of_one_change_nothing(maxrl):
+    lp0, old, adv, mask = random_batch(seed=3, shape=(3, 4))
+    ref = lp0 + 0.5 * torch.randn(3, 4)
+    out = []
+    for weights in (None, torch.ones(3, 4)):
+        lp = lp0.clone().requires_grad_()
+        loss, metrics = maxrl.policy_loss(lp, old, adv, mask, kl_coef=0.1, ref_logprobs=ref, is_weights=weights)
+        loss.backward()
+        out.append((loss, lp.grad, metrics))
+    assert torch.equal(out[0][0], out[1][0]) and torch.equal(out[0][1], out[1][1]) and out[0][2] == out[1][2]
+
+
+def test_correction_weights_multiply_the_reinforce_term_not_the_kl(maxrl):
+    lp = torch.tensor([[math.log(0.5), math.log(0.5)]], requires_grad=True)
+    old = lp.detach().clone()  # on-policy: r = 1
+    weights, ref = torch.tensor([[2.0, 0.5]]), torch.zeros(1, 2)  # π_ref = 1: δ = log 2, k3 = 2 - log 2 - 1
+    loss, _ = maxrl.policy_loss(lp, old, torch.tensor([1.0]), torch.ones(1, 2), is_weights=weights)
+    loss.backward()
+    # ℓ_t = -w_t·Â·r = [-2, -0.5]; token mean L = -1.25; dL/dlogp_t = -w_t·Â / 2 = [-1, -0.25]
+    assert loss.item() == pytest.approx(-1.25)
+    assert torch.allclose(lp.grad, torch.tensor([[-1.0, -0.25]]))
+    kl_loss, _ = maxrl.policy_loss(
+        lp, old, torch.tensor([1.0]), torch.ones(1, 2), kl_coef=0.1, ref_logprobs=ref, is_weights=weights
+    )
+    # + β·Σ_t k3 / 2 = 0.1·2·(1 - log 2) / 2, unweighted (weighted it would be 0.1·2.5·(1 - log 2) / 2)
+    assert kl_loss.item() == pytest.approx(-1.25 + 0.1 * (1 - math.log(2)))

@@ -234,3 +234,41 @@ def test_critic_minibatches_need_not_divide_the_batch(tmp_path):
     saved = load_checkpoint(latest_checkpoint(tmp_path / "r"))
     steps = {int(s["step"]) for s in saved["critic_optimizer"]["state"].values()}
     assert steps == {3}
+
+
+# ---------------------------------------------------------------- rollout correction (common/correction.py)
+def test_correction_weights_of_one_change_nothing(ppo):
+    torch.manual_seed(3)
+    lp0, adv = torch.randn(3, 5), torch.randn(3, 5)
+    old, mask = lp0 + 0.3 * torch.randn(3, 5), torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]])
+    a, b = lp0.clone().requires_grad_(), lp0.clone().requires_grad_()
+    la, ma = ppo.policy_loss(a, old, adv, mask)
+    lb, mb = ppo.policy_loss(b, old, adv, mask, is_weights=torch.ones(3, 5))
+    la.backward()
+    lb.backward()
+    assert la.item() == lb.item() and torch.equal(a.grad, b.grad) and ma == mb  # exactly, not approximately
+
+
+def test_correction_weights_multiply_the_clipped_surrogate_hand_values(ppo):
+    # one sequence, two tokens, A = 1, ratios 1.1 (inside [0.8, 1.2]) and 1.5 (clipped to 1.2), weights w = [2, 0.5]
+    # ℓ_1 = -w_1·1.1 = -2.2, ∂ℓ_1/∂log π = -w_1·ρ_1 = -2.2;  ℓ_2 = -w_2·1.2 = -0.6, ∂ℓ_2/∂log π = 0 (clipped)
+    # token mean over 2 tokens: L = (-2.2 - 0.6)/2 = -1.4, grad = [-1.1, 0]
+    old = torch.tensor([[-1.0, -2.0]])
+    lp = (old + torch.log(torch.tensor([[1.1, 1.5]]))).requires_grad_()
+    loss, _ = ppo.policy_loss(lp, old, torch.ones(1, 2), torch.ones(1, 2), is_weights=torch.tensor([[2.0, 0.5]]))
+    loss.backward()
+    assert loss.item() == pytest.approx(-1.4, rel=1e-6)
+    assert lp.grad.tolist()[0] == pytest.approx([-1.1, 0.0], abs=1e-6)
+
+
+def test_only_the_actor_loss_takes_the_correction_weights(ppo):
+    """The critic's value loss is a regression on returns, not a policy gradient: no weight reaches it."""
+    import ast
+    import inspect
+
+    assert "is_weights" not in inspect.signature(ppo.value_loss).parameters
+    calls = [c for c in ast.walk(ast.parse(inspect.getsource(ppo.main))) if isinstance(c, ast.Call)]
+    takers = {
+        c.func.id for c in calls if isinstance(c.func, ast.Name) and any(k.arg == "is_weights" for k in c.keywords)
+    }
+    assert takers == {"policy_loss"}

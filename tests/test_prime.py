@@ -285,3 +285,57 @@ def test_process_reward_normalisation_uses_the_whole_batch_over_processes(prime)
     assert torch.allclose(split, whole)
     alone = torch.cat([prime.normalize_process_rewards(h) for h in halves])  # each rank's own max: differs
     assert not torch.allclose(alone, whole)
+
+
+# ---------------------------------------------------------------- rollout correction (common/correction.py)
+def test_correction_weights_of_one_change_nothing(prime):
+    torch.manual_seed(3)
+    lp0, adv, ref = torch.randn(3, 5), torch.randn(3, 5), torch.randn(3, 5)
+    old, mask = lp0 + 0.3 * torch.randn(3, 5), torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]])
+    a, b = lp0.clone().requires_grad_(), lp0.clone().requires_grad_()
+    la, ma = prime.policy_loss(a, old, adv, mask, kl_coef=0.1, ref_logprobs=ref)
+    lb, mb = prime.policy_loss(b, old, adv, mask, kl_coef=0.1, ref_logprobs=ref, is_weights=torch.ones(3, 5))
+    la.backward()
+    lb.backward()
+    assert la.item() == lb.item() and torch.equal(a.grad, b.grad) and ma == mb  # exactly, not approximately
+
+
+def test_correction_weights_multiply_the_clipped_surrogate_hand_values(prime):
+    # one sequence, two tokens, A = 1, ratios 1.1 (inside [0.8, 1.2]) and 1.5 (clipped to 1.2), weights w = [2, 0.5]
+    # ℓ_1 = -w_1·1.1 = -2.2, ∂ℓ_1/∂log π = -w_1·ρ_1 = -2.2;  ℓ_2 = -w_2·1.2 = -0.6, ∂ℓ_2/∂log π = 0 (clipped)
+    # token mean over 2 tokens: L = (-2.2 - 0.6)/2 = -1.4, grad = [-1.1, 0]
+    old = torch.tensor([[-1.0, -2.0]])
+    lp = (old + torch.log(torch.tensor([[1.1, 1.5]]))).requires_grad_()
+    loss, _ = prime.policy_loss(lp, old, torch.ones(1, 2), torch.ones(1, 2), is_weights=torch.tensor([[2.0, 0.5]]))
+    loss.backward()
+    assert loss.item() == pytest.approx(-1.4, rel=1e-6)
+    assert lp.grad.tolist()[0] == pytest.approx([-1.1, 0.0], abs=1e-6)
+
+
+def test_correction_weights_leave_the_kl_term_alone(prime):
+    # π_θ = π_old = 0.5 (ρ = 1), π_ref = 0.25, A = 1, β = 0.1, w = [2, 0.5]. k3 = π_ref/π_θ - log(π_ref/π_θ) - 1
+    # = 0.5 + ln 2 - 1 = 0.1931472 per token, ∂k3/∂log π_θ = 1 - π_ref/π_θ = 0.5.
+    # L = (-2 + 0.1·k3 - 0.5 + 0.1·k3)/2 = -1.25 + 0.1·k3 = -1.2306853   (weighting k3 too would give -1.2258571)
+    # grad = (-w·ρ·A + 0.1·0.5)/2 = [-0.975, -0.225]
+    lp = torch.log(torch.tensor([[0.5, 0.5]])).requires_grad_()
+    ref = torch.log(torch.tensor([[0.25, 0.25]]))
+    w = torch.tensor([[2.0, 0.5]])
+    loss, m = prime.policy_loss(lp, lp.detach(), torch.ones(1, 2), torch.ones(1, 2), 0.2, 0.1, ref, is_weights=w)
+    loss.backward()
+    k3 = 0.5 + math.log(2) - 1
+    assert loss.item() == pytest.approx(-1.25 + 0.1 * k3, rel=1e-6) and m["kl"] == pytest.approx(k3, rel=1e-6)
+    assert lp.grad.tolist()[0] == pytest.approx([-0.975, -0.225], rel=1e-6)
+
+
+def test_only_the_policy_loss_takes_the_correction_weights(prime):
+    """The PRM's BCE loss and the implicit rewards are fitted on the outcome, not a policy gradient: no weight."""
+    import ast
+    import inspect
+
+    for fn in (prime.prm_loss, prime.implicit_process_rewards, prime.compute_advantages):
+        assert "is_weights" not in inspect.signature(fn).parameters
+    calls = [c for c in ast.walk(ast.parse(inspect.getsource(prime.main))) if isinstance(c, ast.Call)]
+    takers = {
+        c.func.id for c in calls if isinstance(c.func, ast.Name) and any(k.arg == "is_weights" for k in c.keywords)
+    }
+    assert takers == {"policy_loss"}

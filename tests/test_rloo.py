@@ -154,3 +154,32 @@ def test_kl_enters_the_reward_before_the_baseline(rloo):
 def test_defaults_load_no_reference_model(rloo):
     args = rloo.Args()
     assert args.kl_coef == 0.0 and args.clip_eps == 0.2
+
+
+def test_correction_weights_of_one_change_nothing(rloo):
+    lp0, old, adv, mask = random_batch(seed=3, shape=(3, 4), old_noise=0.1)
+    out = []
+    for weights in (None, torch.ones(3, 4)):
+        lp = lp0.clone().requires_grad_()
+        loss, metrics = rloo.policy_loss(lp, old, adv, mask, is_weights=weights)
+        loss.backward()
+        out.append((loss, lp.grad, metrics))
+    assert torch.equal(out[0][0], out[1][0]) and torch.equal(out[0][1], out[1][1]) and out[0][2] == out[1][2]
+
+
+@pytest.mark.parametrize("rho, has_grad", [(1.0, True), (1.1, True), (1.5, False)])
+def test_correction_weights_multiply_each_tokens_log_prob_term(rloo, rho, has_grad):
+    old = torch.tensor([[math.log(0.5), math.log(0.5), -3.0]])
+    lp = (old + torch.tensor([[0.0, math.log(rho), 7.0]])).requires_grad_()  # ρ = rho, the padding's 7 not counted
+    mask, weights = torch.tensor([[1, 1, 0]]), torch.tensor([[2.0, 0.5, 0.0]])
+    loss, metrics = rloo.policy_loss(lp, old, torch.tensor([1.0]), mask, clip_eps=0.2, is_weights=weights)
+    loss.backward()
+    # the value -min(ρ·A, clip(ρ)·A) and the clip are untouched: -1, -1.1, -1.2 (clipped at 1 + ε)
+    assert loss.item() == pytest.approx(-min(rho, 1.2)) and metrics["ratio"] == pytest.approx(rho)
+    # the gradient -A·ρ·Σ_t w_t ∇log π_t: [-2ρ, -0.5ρ] (on-policy, ρ = 1: REINFORCE on Σ_t w_t log π_t); clipped: 0
+    expected = torch.tensor([[-2.0 * rho, -0.5 * rho, 0.0]]) if has_grad else torch.zeros(1, 3)
+    assert torch.allclose(lp.grad, expected, atol=1e-6)
+    # a sequence mode's weight, constant over o_i, is a plain factor on the sequence's gradient: here 3
+    seq = lp.detach().clone().requires_grad_()
+    rloo.policy_loss(seq, old, torch.tensor([1.0]), mask, is_weights=torch.tensor([[3.0, 3.0, 0.0]]))[0].backward()
+    assert torch.allclose(seq.grad, torch.tensor([[-3.0 * rho, -3.0 * rho, 0.0]]) if has_grad else torch.zeros(1, 3))
