@@ -42,13 +42,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
 
 from common.engine_base import RolloutConfig
 
-MODES = (
+Mode = Literal[
+    "auto",
     "none",
     "token_truncate",
     "token_mask",
@@ -56,7 +57,8 @@ MODES = (
     "sequence_mask",
     "geometric_truncate",
     "geometric_mask",
-)
+]
+MODES = tuple(m for m in get_args(Mode) if m != "auto")  # the concrete modes 'auto' resolves to
 # the cap C and lower bound C_low each mode takes when --correction.cap / --correction.cap-low are left at 0
 DEFAULT_CAPS = {
     "token_truncate": (2.0, 0.0),  # TIS (Yao et al. 2025) at verl rollout_is_threshold, SkyRL token_tis_ratio_clip_high
@@ -81,16 +83,7 @@ class CorrectionConfig:
     window often, under bf16 alone.
     """
 
-    mode: Literal[
-        "auto",
-        "none",
-        "token_truncate",
-        "token_mask",
-        "sequence_truncate",
-        "sequence_mask",
-        "geometric_truncate",
-        "geometric_mask",
-    ] = "auto"
+    mode: Mode = "auto"
     """weight of each token's policy-gradient term ('auto' = token_truncate when the sampler differs, else none)"""
     cap: float = 0.0
     """C, the upper cap (truncate) or upper edge of the window (mask) of the ratio (0 = the mode's default)"""

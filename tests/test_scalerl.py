@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import REPO, load_algo
+from conftest import REPO, load_algo, resolved_correction
 from loss_checks import assert_micro_batches_accumulate, assert_padding_changes_nothing, on_two_fake_ranks
 from transformers import AutoTokenizer
 
@@ -260,34 +260,11 @@ def test_lag_and_pool_survive_a_resume(tmp_path):
 
 
 # ---------------------------------------------------------------- rollout correction
-class _Stop(Exception):
-    pass
-
-
-def _resolved_correction(module, monkeypatch, *flags):
-    """``args.correction`` as main resolves it from ``flags``: main runs up to the first use of the run, then stops."""
-    seen = {}
-
-    class Run:
-        def __getattr__(self, name):
-            raise _Stop
-
-    def start_run(args):
-        seen["args"] = args
-        return Run()
-
-    monkeypatch.setattr(module, "start_run", start_run)
-    monkeypatch.setattr("sys.argv", ["scalerl.py", *flags])
-    with pytest.raises(_Stop):
-        module.main()
-    return seen["args"].correction
-
-
 def test_no_correction_on_top_of_an_is_weight_taken_against_the_sampler(scalerl, monkeypatch):
     """ScaleRL's ρ = π_train/π_gen takes π_gen from the engine's reported log-probs (policy_loss gets rollout_logprobs
     as old_logprobs): with a perturbed sampler 'auto' resolves to none, and an explicit mode stops."""
-    assert _resolved_correction(scalerl, monkeypatch, "--rollout.logit-noise", "1.0").mode == "none"
-    assert _resolved_correction(scalerl, monkeypatch, "--correction.mode", "none").mode == "none"
+    assert resolved_correction(scalerl, monkeypatch, "--rollout.logit-noise", "1.0").mode == "none"
+    assert resolved_correction(scalerl, monkeypatch, "--correction.mode", "none").mode == "none"
     for mode in ("token_truncate", "geometric_mask"):
         with pytest.raises(SystemExit, match=f"--correction.mode {mode}: not for this script, its capped IS weight"):
-            _resolved_correction(scalerl, monkeypatch, "--correction.mode", mode)
+            resolved_correction(scalerl, monkeypatch, "--correction.mode", mode)
