@@ -62,6 +62,7 @@ from common.correction import CorrectionConfig, correction_weights, resolve_corr
 from common.data import format_prompt, teacher_completion  # noqa: E402
 from common.evaluate import EvalConfig  # noqa: E402
 from common.logprobs import token_logprobs, token_logprobs_batched  # noqa: E402
+from common.packing import micro_batches  # noqa: E402
 from common.rollout import Completion, RolloutConfig, make_engine  # noqa: E402
 from common.runtime import load_model, load_task, load_tokenizer, start_run  # noqa: E402
 from common.verifiers import compute_rewards  # noqa: E402
@@ -135,6 +136,8 @@ class Args:
     """optimiser steps per epoch over the rollout batch"""
     micro_batch_size: int = 64
     """sequences per forward/backward (gradient accumulation; does not change the objective)"""
+    micro_batch_tokens: int = 0
+    """tokens per forward/backward, sequences packed without padding (replaces --micro-batch-size; 0 = padded rows)"""
     gradient_checkpointing: bool = False
     """recompute each layer's activations in the backward pass: less memory for ~30% more compute (long completions)"""
     max_bad_steps: int = 5
@@ -375,6 +378,7 @@ def main() -> None:
             args.temperature,
             args.micro_batch_size,
             run.fp32_head,
+            args.micro_batch_tokens,
         )
         with torch.no_grad(), autocast():
             if not on_policy:
@@ -395,9 +399,9 @@ def main() -> None:
                 mb_rows = mb_rows[attention_mask[mb_rows].sum(-1).argsort(stable=True)]  # similar lengths together
                 # ALGO LOGIC: global token mean (DDP averages)
                 num_tokens = max(float(accelerator.reduce(completion_mask[mb_rows].sum(), "sum")), 1.0) / run.world
-                for j in range(0, minibatch_size, args.micro_batch_size):
-                    rows = mb_rows[j : j + args.micro_batch_size]
-                    sync = j + args.micro_batch_size >= minibatch_size
+                for rows, sync in micro_batches(
+                    mb_rows, attention_mask, args.micro_batch_size, args.micro_batch_tokens
+                ):
                     with accelerator.no_sync(model) if not sync else contextlib.nullcontext():
                         with autocast():
                             logprobs, entropy = token_logprobs(
@@ -408,6 +412,7 @@ def main() -> None:
                                 args.temperature,
                                 with_entropy=True,
                                 fp32_head=run.fp32_head,
+                                packed=args.micro_batch_tokens > 0,
                             )
                         old = logprobs.detach() if on_policy else old_logprobs[rows]
                         # ALGO LOGIC: the policy's own tokens; a teacher row's "rollout log-probs" are 0 (π_φ = 1), not

@@ -55,6 +55,7 @@ from common.bookkeeping import Bookkeeper, pack_rollout, rollout_stats, sample_r
 from common.correction import CorrectionConfig, correction_weights, resolve_correction  # noqa: E402
 from common.evaluate import EvalConfig  # noqa: E402
 from common.logprobs import token_logprobs, token_logprobs_batched  # noqa: E402
+from common.packing import micro_batches, model_layout  # noqa: E402
 from common.rollout import RolloutConfig, make_engine  # noqa: E402
 from common.runtime import load_model, load_task, load_tokenizer, start_run  # noqa: E402
 from common.sharding import save_pretrained_full  # noqa: E402
@@ -129,6 +130,8 @@ class Args:
     """optimiser steps per epoch over the rollout batch"""
     micro_batch_size: int = 64
     """sequences per forward/backward (gradient accumulation; does not change the objective)"""
+    micro_batch_tokens: int = 0
+    """tokens per forward/backward, sequences packed without padding (replaces --micro-batch-size; 0 = padded rows)"""
     gradient_checkpointing: bool = False
     """recompute each layer's activations in the backward pass: less memory for ~30% more compute (long completions)"""
     max_bad_steps: int = 5
@@ -284,11 +287,12 @@ def value_loss(
 
 
 # ALGO LOGIC: the critic's values, aligned with the completion tokens
-def critic_values(critic, input_ids, attention_mask, completion_width: int) -> torch.Tensor:
-    """V(s_t) (B, T) for the last ``completion_width`` tokens: the scalar head at the position BEFORE each token."""
-    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-    out = critic(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
-    return out[:, -completion_width - 1 : -1, 0].float()
+def critic_values(critic, input_ids, attention_mask, completion_width: int, packed: bool = False) -> torch.Tensor:
+    """V(s_t) (B, T) for the last ``completion_width`` tokens: the scalar head at the position BEFORE each token, 0
+    where a row has no token; ``packed`` runs the rows as one padding-free sequence (common/packing.py)."""
+    layout = model_layout(input_ids, attention_mask, completion_width, packed)
+    out = critic(**layout.inputs).logits[..., 0]
+    return layout.scatter(out[layout.source].float())
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> float:
@@ -393,9 +397,7 @@ def main() -> None:
             prompt_ids, completions, args.group_size, tokenizer.pad_token_id, device
         )
         completion_width = completion_mask.shape[1]
-        micro_batches = [
-            slice(i, min(i + args.micro_batch_size, batch_size)) for i in range(0, batch_size, args.micro_batch_size)
-        ]
+        micro_batching, packed = (args.micro_batch_size, args.micro_batch_tokens), args.micro_batch_tokens > 0
 
         # 6. old log-probs (when the batch is reused or the KL reward needs them, otherwise the detached current ones
         # are exact), reference log-probs, and the critic's values V_old
@@ -409,15 +411,18 @@ def main() -> None:
             args.temperature,
             args.micro_batch_size,
             run.fp32_head,
+            args.micro_batch_tokens,
         )
         with torch.no_grad(), autocast():
             if not on_policy or ref_model is not None:
                 old_logprobs = token_logprobs_batched(model, *logprob_args)
             if ref_model is not None:
                 ref_logprobs = token_logprobs_batched(ref_model, *logprob_args)
-            old_values = torch.cat(
-                [critic_values(critic, input_ids[mb], attention_mask[mb], completion_width) for mb in micro_batches]
-            )
+            old_values = torch.zeros_like(completion_mask)
+            for rows, _ in micro_batches(torch.arange(batch_size, device=device), attention_mask, *micro_batching):
+                old_values[rows] = critic_values(
+                    critic, input_ids[rows], attention_mask[rows], completion_width, packed
+                )
         old_logprobs_s = time.time() - t0
 
         # ALGO LOGIC: token rewards -> GAE -> advantages whitened over the whole batch (every process's tokens)
@@ -437,12 +442,10 @@ def main() -> None:
         # exactly --critic-num-minibatches pieces, sizes differing by at most one (ORZ: 8192 rows in 12)
         for mb_rows in order.tensor_split(args.critic_num_minibatches):
             minibatch_loss, num_tokens = 0.0, global_tokens(mb_rows)
-            for j in range(0, len(mb_rows), args.micro_batch_size):
-                rows = mb_rows[j : j + args.micro_batch_size]
-                sync = j + args.micro_batch_size >= len(mb_rows)
+            for rows, sync in micro_batches(mb_rows, attention_mask, args.micro_batch_size, args.micro_batch_tokens):
                 with accelerator.no_sync(critic) if not sync else contextlib.nullcontext():
                     with autocast():
-                        values = critic_values(critic, input_ids[rows], attention_mask[rows], completion_width)
+                        values = critic_values(critic, input_ids[rows], attention_mask[rows], completion_width, packed)
                     loss, loss_stats = value_loss(
                         values,
                         old_values[rows],
@@ -474,9 +477,9 @@ def main() -> None:
                 mb_rows, minibatch_loss = order[start : start + minibatch_size], 0.0
                 mb_rows = mb_rows[attention_mask[mb_rows].sum(-1).argsort(stable=True)]  # similar lengths together
                 num_tokens = global_tokens(mb_rows)
-                for j in range(0, minibatch_size, args.micro_batch_size):
-                    rows = mb_rows[j : j + args.micro_batch_size]
-                    sync = j + args.micro_batch_size >= minibatch_size
+                for rows, sync in micro_batches(
+                    mb_rows, attention_mask, args.micro_batch_size, args.micro_batch_tokens
+                ):
                     with accelerator.no_sync(model) if not sync else contextlib.nullcontext():
                         with autocast():
                             logprobs, entropy = token_logprobs(
@@ -487,6 +490,7 @@ def main() -> None:
                                 args.temperature,
                                 with_entropy=True,
                                 fp32_head=run.fp32_head,
+                                packed=args.micro_batch_tokens > 0,
                             )
                         old = logprobs.detach() if on_policy else old_logprobs[rows]
                         is_weights, correction_stats = correction_weights(

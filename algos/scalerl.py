@@ -63,6 +63,7 @@ from common.bookkeeping import Bookkeeper, pack_rollout, rollout_stats, sample_r
 from common.correction import CorrectionConfig, correction_weights, resolve_correction  # noqa: E402
 from common.evaluate import EvalConfig  # noqa: E402
 from common.logprobs import token_logprobs, token_logprobs_batched  # noqa: E402
+from common.packing import micro_batches  # noqa: E402
 from common.rollout import HFEngine, RolloutConfig, make_engine  # noqa: E402
 from common.runtime import load_model, load_task, load_tokenizer, start_run  # noqa: E402
 from common.verifiers import compute_rewards  # noqa: E402
@@ -136,6 +137,8 @@ class Args:
     """optimiser steps per epoch over the rollout batch (each holds whole groups; ScaleRL: 1, the lag makes ρ ≠ 1)"""
     micro_batch_size: int = 64
     """sequences per forward/backward (gradient accumulation; does not change the objective)"""
+    micro_batch_tokens: int = 0
+    """tokens per forward/backward, sequences packed without padding (replaces --micro-batch-size; 0 = padded rows)"""
     gradient_checkpointing: bool = False
     """recompute each layer's activations in the backward pass: less memory for ~30% more compute (long completions)"""
     max_bad_steps: int = 5
@@ -423,6 +426,7 @@ def main() -> None:
             args.temperature,
             args.micro_batch_size,
             run.fp32_head,
+            args.micro_batch_tokens,
         )
         with torch.no_grad(), autocast():
             if ref_model is not None:
@@ -444,9 +448,9 @@ def main() -> None:
                 # averages the gradients over processes, so each divides by (global count / world): the global mean
                 kept_prompts = keep[mb_rows.cpu()].float().sum() / args.group_size
                 num_prompts = max(float(accelerator.reduce(kept_prompts.to(device), "sum")), 1.0) / run.world
-                for j in range(0, minibatch_size, args.micro_batch_size):
-                    rows = mb_rows[j : j + args.micro_batch_size]
-                    sync = j + args.micro_batch_size >= minibatch_size
+                for rows, sync in micro_batches(
+                    mb_rows, attention_mask, args.micro_batch_size, args.micro_batch_tokens
+                ):
                     with accelerator.no_sync(model) if not sync else contextlib.nullcontext():
                         with autocast():
                             logprobs, entropy = token_logprobs(
@@ -457,6 +461,7 @@ def main() -> None:
                                 args.temperature,
                                 with_entropy=True,
                                 fp32_head=run.fp32_head,
+                                packed=args.micro_batch_tokens > 0,
                             )
                         loss, loss_stats = policy_loss(
                             logprobs,

@@ -2,9 +2,10 @@
 
     logprobs, entropy = token_logprobs(model, input_ids, attention_mask, completion_width, temperature, ...)
 
-Rows are ``[left-padded prompt | right-padded completion]``; the result is (B, completion_width), the log-prob of
-each completion token under softmax(logits / temperature) in fp32, with the LM head optionally in fp32 as well
-(the sampler/trainer gap fix of MiniMax-M1 and ScaleRL). No (B, T, vocab) tensor is ever kept.
+Rows are ``[left-padded prompt | right-padded completion]``, run padded or packed (``common/packing.py``); the result
+is (B, completion_width), the log-prob of each completion token under softmax(logits / temperature) in fp32, with the
+LM head optionally in fp32 as well (the sampler/trainer gap fix of MiniMax-M1 and ScaleRL). No (B, T, vocab) tensor
+is ever kept.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import functools
 import torch
 import torch.utils.checkpoint
 
+from common.packing import micro_batches, model_layout
 from common.sharding import reshard
 
 
@@ -28,7 +30,7 @@ def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
         model = inner
 
 
-LOGPROB_CHUNK = 1024  # completion positions per LM-head + log-softmax chunk in token_logprobs
+LOGPROB_CHUNK = 1024  # completion tokens per LM-head + log-softmax chunk in token_logprobs (any number of rows)
 # config fields (of the text config) through which an architecture post-processes its logits after the LM head
 LOGIT_POSTPROCESSING = ("final_logit_softcapping", "logit_scale", "logits_scaling")
 
@@ -42,49 +44,35 @@ def token_logprobs(
     with_entropy: bool = False,
     chunk_size: int = LOGPROB_CHUNK,
     fp32_head: bool = True,
+    packed: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token log-probs (B, T) of each row's last ``completion_width`` tokens: fp32 log-softmax of logits / T.
 
     The trainer's side of every script (old, reference and current log-probs). The model runs once (through any
-    DDP wrapper) and its final hidden states are taken from the decoder; the LM head and the log-softmax then run
-    ``chunk_size`` completion positions at a time and, when gradients are on, are recomputed per chunk in the
-    backward pass, so no (B, T, vocab) tensor is kept: not the logits, not their log-softmax (in fp32,
-    2 x 4 bytes x B x T x vocab: ~40 GB for 8 x 4k tokens of a 152k vocabulary).
+    DDP wrapper) and its final hidden states are taken from the decoder; the LM head and the log-softmax then run on
+    the completion tokens only, ``chunk_size`` tokens at a time whatever the number of rows, and, when gradients are
+    on, are recomputed per chunk in the backward pass, so no (B, T, vocab) tensor is kept: not the logits, not their
+    log-softmax (in fp32, 2 x 4 bytes x B x T x vocab: ~40 GB for 8 x 4k tokens of a 152k vocabulary).
 
+    ``packed``: the rows run as one flat padding-free sequence (``common.packing.model_layout``), else as padded rows
+    cut to the columns some row attends to (a micro-batch of short rows pays for its own longest row). The result is
+    the same (B, T) layout either way, 0 where a row has no completion token.
     ``fp32_head``: the LM head's matmul runs in fp32 (fp32 hidden states and weights, autocast off) even when the
     body runs under bf16 autocast; off, it runs in the caller's autocast dtype. A bf16 head is the main source of
     the sampler/trainer log-prob gap (MiniMax-M1 §3.3, ScaleRL); the scripts set it from ``RolloutConfig.fp32_lm_head``,
     as vLLM's.
     Architectures that post-process logits (softcapping, logit scales: ``LOGIT_POSTPROCESSING``, or any model whose
     head alone does not reproduce its own last-position logits) use the model's own logits instead, and then keep
-    them for the backward pass. Positions follow the attention mask, so left padding matches what the sampler saw;
-    columns no row attends to are cut before the forward (their log-probs are 0), so a micro-batch costs its own
-    longest row.
-    ``with_entropy`` adds the detached per-token entropy of the same distribution.
+    them for the backward pass. ``with_entropy`` adds the detached per-token entropy of the same distribution.
     """
-    # drop the columns no row attends to (prompt left padding, right padding past the longest completion): a
-    # micro-batch of short rows pays for its own longest row, not the whole batch's; dropped positions get log-prob 0
-    full_width, prompt_width = completion_width, input_ids.shape[1] - completion_width
-    used = attention_mask.bool().any(0).nonzero().squeeze(-1).tolist() or [prompt_width - 1]
-    start, completion_width = min(used[0], prompt_width - 1), max(used[-1] + 1 - prompt_width, 1)
-    input_ids, attention_mask = (
-        input_ids[:, start : prompt_width + completion_width],
-        attention_mask[:, start : prompt_width + completion_width],
-    )
-    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-    targets = input_ids[:, -completion_width:]
+    layout = model_layout(input_ids, attention_mask, completion_width, packed)
     inner = unwrap_model(model)
 
     def from_own_logits() -> tuple[torch.Tensor, torch.Tensor | None]:  # the model's own (post-processed) logits
-        logits = model(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            logits_to_keep=completion_width + 1,
-            use_cache=False,  # a scoring pass: no KV cache to build (and none is allowed with checkpointing)
-        ).logits[:, :-1]
-        return _padded(
-            _chunked(_logprobs_from_logits, logits, targets, temperature, with_entropy, chunk_size), full_width
+        columns, place = layout.source[1].unique(return_inverse=True)  # logits only where a completion token is next
+        logits = model(**layout.inputs, logits_to_keep=columns).logits[layout.source[0], place]
+        return _scattered(
+            _chunked(_logprobs_from_logits, logits, layout.token_ids, temperature, with_entropy, chunk_size), layout
         )
 
     text_config = inner.config.get_text_config()
@@ -94,13 +82,7 @@ def token_logprobs(
     hidden = []
     hook = inner.get_decoder().register_forward_hook(lambda module, args, output: hidden.append(output[0]))
     try:
-        last_logits = model(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            logits_to_keep=1,
-            use_cache=False,
-        ).logits
+        last_logits = model(**layout.inputs, logits_to_keep=1).logits
     finally:
         hook.remove()
     head = inner.get_output_embeddings()
@@ -112,10 +94,8 @@ def token_logprobs(
     if not head_reproduces:
         return from_own_logits()
     head_fn = functools.partial(_logprobs_from_hidden, weight=head.weight, bias=head.bias, fp32_head=fp32_head)
-    return _padded(
-        _chunked(head_fn, hidden[-1][:, -completion_width - 1 : -1], targets, temperature, with_entropy, chunk_size),
-        full_width,
-    )
+    selected = hidden[-1][layout.source]  # (M, hidden): the positions that predict a completion token
+    return _scattered(_chunked(head_fn, selected, layout.token_ids, temperature, with_entropy, chunk_size), layout)
 
 
 def token_logprobs_batched(
@@ -126,46 +106,55 @@ def token_logprobs_batched(
     temperature: float,
     micro_batch_size: int,
     fp32_head: bool = True,
+    micro_batch_tokens: int = 0,
 ) -> torch.Tensor:
-    """``token_logprobs`` over a whole batch without gradients (old, reference and PRM log-probs), ``micro_batch_size``
-    rows per forward, rows of similar length together (each forward pays for its own longest row). Returns (B, T) in
+    """``token_logprobs`` over a whole batch without gradients (old, reference and PRM log-probs). Returns (B, T) in
     the input's row order.
 
+    ``micro_batch_tokens`` 0: ``micro_batch_size`` rows per forward, rows of similar length together (each forward
+    pays for its own longest row); otherwise packed forwards of at most that many tokens (``common.packing``; on
+    several processes every rank runs the same number, so call it on every rank).
     An FSDP2-sharded model (``--fsdp``) keeps its root's parameters gathered after a forward (the LM head runs
     outside it); with no backward to free them they are freed here, so a reference model does not hold its
     embeddings and head in full, and an optimiser step cannot leave a stale gathered copy behind."""
     order = attention_mask.sum(-1).argsort(stable=True)
-    parts = [
-        token_logprobs(
-            model, input_ids[rows], attention_mask[rows], completion_width, temperature, fp32_head=fp32_head
-        )[0]
-        for rows in order.split(micro_batch_size)
-    ]
+    packed = micro_batch_tokens > 0
+    result = torch.zeros(input_ids.shape[0], completion_width, device=input_ids.device)
+    for rows, _ in micro_batches(order, attention_mask, micro_batch_size, micro_batch_tokens):
+        result[rows] = token_logprobs(
+            model,
+            input_ids[rows],
+            attention_mask[rows],
+            completion_width,
+            temperature,
+            fp32_head=fp32_head,
+            packed=packed,
+        )[0].float()
     reshard(model)
-    return torch.cat(parts)[order.argsort()]
+    return result
 
 
-def _padded(outputs: tuple[torch.Tensor, torch.Tensor | None], width: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Zero-pad (B, w) log-probs (and entropies) on the right back to (B, width)."""
-    return tuple(None if t is None else torch.nn.functional.pad(t, (0, width - t.shape[1])) for t in outputs)
+def _scattered(outputs: tuple[torch.Tensor, torch.Tensor | None], layout) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(M,) per-token log-probs (and entropies) back to the (B, T) layout, zeros where no completion token is."""
+    return tuple(None if t is None else layout.scatter(t) for t in outputs)
 
 
 def _chunked(
     fn, inputs: torch.Tensor, targets: torch.Tensor, temperature: float, with_entropy: bool, chunk_size: int
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Apply ``fn`` to ``chunk_size`` positions at a time, each chunk recomputed in the backward pass (with grad)."""
+    """Apply ``fn`` to ``chunk_size`` tokens (rows of ``inputs`` (M, ...) and ``targets`` (M,)) at a time, each chunk
+    recomputed in the backward pass (with grad)."""
     recompute = torch.is_grad_enabled() and inputs.requires_grad
     parts = []
-    for start in range(0, targets.shape[1], chunk_size):
-        args = (
-            inputs[:, start : start + chunk_size],
-            targets[:, start : start + chunk_size],
-            temperature,
-            with_entropy,
-        )
+    for start in range(0, targets.shape[0], chunk_size):
+        args = (inputs[start : start + chunk_size], targets[start : start + chunk_size], temperature, with_entropy)
         parts.append(torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False) if recompute else fn(*args))
-    token_lp = torch.cat([lp for lp, _ in parts], dim=1)
-    return token_lp, (torch.cat([ent for _, ent in parts], dim=1) if with_entropy else None)
+    if not parts:  # no completion token at all
+        return inputs.new_zeros(0, dtype=torch.float32), (
+            inputs.new_zeros(0, dtype=torch.float32) if with_entropy else None
+        )
+    token_lp = torch.cat([lp for lp, _ in parts])
+    return token_lp, (torch.cat([ent for _, ent in parts]) if with_entropy else None)
 
 
 def _logprobs_from_hidden(

@@ -102,6 +102,7 @@ def start_run(args) -> Run:
     # --dry-run plans from a config.json alone: a hub id of common/model_configs' table needs no network
     config_path = (local_config(model_path) or model_path) if args.dry_run else model_path
     max_prompt_tokens, max_model_len = context_budget(args, config_path)
+    check_micro_batch_tokens(args, max_prompt_tokens)
     # --dry-run prints the per-GPU memory plan and exits, before the run folder is claimed: it writes nothing and
     # works beside an existing run; a CUDA run that cannot fit stops before any weights load
     check_memory_plan(args, config_path, max_model_len, world, use_cuda, accelerator.print)
@@ -128,8 +129,7 @@ def start_run(args) -> Run:
         device=device,
         dtype={"float32": torch.float32, "bfloat16": torch.bfloat16}.get(args.dtype, torch.float32),
         autocast=functools.partial(torch.autocast, device.type, dtype=torch.bfloat16, enabled=use_bf16),
-        # CPU: sdpa's bf16 backward is several times slower than eager here
-        attn_implementation="sdpa" if device.type == "cuda" else "eager",
+        attn_implementation=attention_implementation(device.type, packed=args.micro_batch_tokens > 0),
         fp32_head=use_fp32_head(args.rollout, device),
         model_path=model_path,
         run_dir=run_dir,
@@ -139,6 +139,29 @@ def start_run(args) -> Run:
         fsdp=args.fsdp,
         fsdp_offload=args.fsdp_offload,
     )
+
+
+def check_micro_batch_tokens(args, max_prompt_tokens: int) -> None:
+    """Stop with a message naming the flags when ``--micro-batch-tokens`` cannot hold the longest possible sequence
+    (the prompt budget plus ``--max-new-tokens``): packing never splits a sequence over two forwards."""
+    if args.micro_batch_tokens < 0:
+        raise SystemExit(f"--micro-batch-tokens {args.micro_batch_tokens}: must be 0 (padded rows) or a token count")
+    longest = max_prompt_tokens + args.max_new_tokens
+    if 0 < args.micro_batch_tokens < longest:
+        raise SystemExit(
+            f"--micro-batch-tokens {args.micro_batch_tokens} cannot hold the longest sequence: --max-prompt-tokens "
+            f"{max_prompt_tokens} + --max-new-tokens {args.max_new_tokens} = {longest} tokens; raise "
+            "--micro-batch-tokens or lower --max-prompt-tokens"
+        )
+
+
+def attention_implementation(device_type: str, packed: bool) -> str:
+    """The trainer's attention kernel. CPU: eager (sdpa's bf16 backward is several times slower there). CUDA: sdpa,
+    except packed micro-batches with the flash-attn package installed, which take flash-attention's varlen path
+    (no N x N mask); packed under sdpa or eager builds a dense block-diagonal N x N mask, which the planner counts."""
+    if device_type != "cuda":
+        return "eager"
+    return "flash_attention_2" if packed and importlib.util.find_spec("flash_attn") is not None else "sdpa"
 
 
 def check_sampling_flags(args) -> None:

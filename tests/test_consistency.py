@@ -163,9 +163,23 @@ def test_every_logprob_call_follows_the_lm_head_flag(script):
     assert calls and all("fp32_head=run.fp32_head" in call or "*logprob_args" in call for call in calls), [
         c for c in calls if "fp32_head" not in c and "*logprob_args" not in c
     ]
-    if "*logprob_args" in source:  # the shared positional arguments end with the run's head precision
-        assert re.search(r"logprob_args = \([^)]*run\.fp32_head,?\s*\)", source)
+    if "*logprob_args" in source:  # the shared positional arguments end with the head precision and token budget
+        assert re.search(r"logprob_args = \([^)]*run\.fp32_head,\s*args\.micro_batch_tokens,?\s*\)", source)
     assert "run = start_run(args)" in source  # start_run resolves --rollout.fp32-lm-head for the run's device
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_every_forward_follows_the_micro_batch_tokens_flag(script):
+    """--micro-batch-tokens packs every forward of the run: a loop that still slices rows by --micro-batch-size, or
+    a trained forward without ``packed=``, would silently run padded (and a packed bin's rows padded together)."""
+    import re
+
+    source = (REPO / "algos" / f"{script}.py").read_text()
+    assert "for j in range(" not in source and "args.micro_batch_size]" not in source
+    loops = re.findall(r"in micro_batches\((?:[^()]|\([^()]*\))*\)", source)
+    assert loops and all("args.micro_batch_tokens" in loop or "*micro_batching" in loop for loop in loops), loops
+    trained = [c for c in re.findall(r"token_logprobs\((?:[^()]|\([^()]*\))*\)", source) if "*logprob_args" not in c]
+    assert trained and all("packed=args.micro_batch_tokens > 0" in call for call in trained), trained
 
 
 @pytest.mark.parametrize("script", SCRIPTS)

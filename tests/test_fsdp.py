@@ -206,3 +206,23 @@ def test_gather_and_restore_keep_the_schedulers_own_state():
     fresh["scheduler"].step()
     state["scheduler"].step()
     assert fresh["optimizer"].param_groups[0]["lr"] == pytest.approx(state["optimizer"].param_groups[0]["lr"])
+
+
+def test_packed_micro_batches_on_two_processes_match_one(tmp_path):
+    """--micro-batch-tokens over ranks: ppo (policy, reference, critic) packed into bins of 100 tokens, one process
+    against two under DDP and under --fsdp (fp32). The ranks' sequences need different numbers of bins, so each
+    pads its count to the largest (a rank that ran fewer forwards would leave the other waiting at an FSDP2
+    collective: the short --dist-timeout-minutes turns such a hang into a failure)."""
+    extra = [
+        *("--mixed-precision", "no", "--total-steps", "2", "--dist-timeout-minutes", "3"),
+        *("--max-prompt-tokens", "64", "--micro-batch-tokens", "100"),
+    ]
+    launch(tmp_path, "one", 1, "ppo", extra)
+    launch(tmp_path, "ddp", 2, "ppo", extra)
+    launch(tmp_path, "fsdp", 2, "ppo", [*extra, "--fsdp"])
+    base = load_file(TINY / "model.safetensors")
+    for name in ("ddp", "fsdp"):
+        gap = update_gap(base, weights(tmp_path / "one"), weights(tmp_path / name))
+        print(f"ppo packed: {name} on 2 processes vs 1 process, relative L2 gap of the 2-step update {gap:.1e}")
+        assert gap < FP32_TOL
+        assert_same_steps(train_rows(tmp_path / "one"), train_rows(tmp_path / name))

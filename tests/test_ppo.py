@@ -198,12 +198,15 @@ def test_micro_batches_accumulate_to_the_minibatch_gradient(ppo):
 # ---------------------------------------------------------------- critic alignment
 def test_values_are_read_at_the_position_before_each_token(ppo):
     # a stub critic whose output at position p is p: the value of completion token t is read at P + t - 1
-    stub = lambda input_ids, attention_mask, position_ids: SimpleNamespace(
+    stub = lambda input_ids, attention_mask, position_ids, use_cache: SimpleNamespace(
         logits=torch.arange(input_ids.shape[1], dtype=torch.float)[None, :, None].expand(input_ids.shape[0], -1, 1)
     )  # noqa: E731
     ids = torch.zeros(2, 7, dtype=torch.long)  # prompt width 4, completion width 3
     values = ppo.critic_values(stub, ids, torch.ones_like(ids), completion_width=3)
     assert torch.equal(values, torch.tensor([[3.0, 4.0, 5.0]] * 2))
+    # packed: one flat row of 14 tokens, the second sequence from position 7 on
+    packed = ppo.critic_values(stub, ids, torch.ones_like(ids), completion_width=3, packed=True)
+    assert torch.equal(packed, torch.tensor([[3.0, 4.0, 5.0], [10.0, 11.0, 12.0]]))
 
 
 def test_critic_values_ignore_left_padding(ppo):

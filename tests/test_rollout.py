@@ -126,8 +126,9 @@ def test_chunked_logprobs_equal_the_whole_computation(engine):
 
 @pytest.mark.parametrize("chunk_size", [1024, 6])
 def test_logprobs_keep_no_vocab_wide_tensor_for_backward(engine, chunk_size):
-    """What autograd keeps for the backward pass: the hidden states (a slice per chunk), never (B, T, vocab) logits
-    or their fp32 log-softmax; the LM head and log-softmax are recomputed chunk by chunk."""
+    """What autograd keeps for the backward pass: the completion tokens' hidden states (a slice of ``chunk_size``
+    tokens per chunk, whatever the number of rows), never logits or their fp32 log-softmax; the LM head and
+    log-softmax are recomputed chunk by chunk."""
     eng, _ = engine
     ids, mask = torch.randint(3, 279, (4, 30)), torch.ones(4, 30, dtype=torch.long)
     vocab, hidden = eng.model.config.vocab_size, eng.model.config.hidden_size
@@ -139,11 +140,11 @@ def test_logprobs_keep_no_vocab_wide_tensor_for_backward(engine, chunk_size):
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         token_logprobs(eng.model, ids, mask, 20, 1.0, chunk_size=chunk_size)
-    assert not [shape for shape in saved if len(shape) == 3 and shape[-1] == vocab]
-    slices = [
-        shape[1] for shape in saved if shape[:1] == (4,) and len(shape) == 3 and shape[-1] == hidden and shape[1] <= 20
-    ]
-    assert max(slices) == min(20, chunk_size) and slices.count(min(20, chunk_size)) >= 20 // min(20, chunk_size)
+    # no logits, no log-softmax (the head's own weight, transposed, is the one vocab-wide tensor kept)
+    assert not [shape for shape in saved if shape and shape[-1] == vocab and shape != (hidden, vocab)]
+    # the head's input, kept a chunk at a time: (tokens, hidden) slices of the 4 x 20 completion tokens
+    slices = [shape[0] for shape in saved if len(shape) == 2 and shape[-1] == hidden and shape[0] <= 80]
+    assert max(slices) == min(80, chunk_size) and slices.count(min(80, chunk_size)) >= 80 // min(80, chunk_size)
 
 
 @contextlib.contextmanager
