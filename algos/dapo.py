@@ -27,16 +27,16 @@ CPU, offline (the defaults: the shipped tiny model on the synthetic `arith` task
     python algos/dapo.py
 GPU, the paper's setting (§4.1: lr 1e-6, warm-up 20 rollout steps = 320 optimiser steps, 512 prompts x G=16,
 mini-batches of 512 responses = 16 updates per rollout, max 20480 tokens incl. a 4096-token cache, avg@32 at top-p 0.7):
-    # planner: needs FSDP2 sharding (--fsdp) on 80 GB: 3115.7 GB per GPU
+    # planner: needs FSDP2 sharding (--fsdp) on 80 GB: 3109.9 GB per GPU
     accelerate launch --num_processes 8 algos/dapo.py --model Qwen/Qwen2.5-32B --dataset dapo17k --template dapo \
         --rollout.backend vllm --learning-rate 1e-6 --warmup-steps 320 --max-new-tokens 20480 --prompts-per-step 512 \
         --group-size 16 --num-minibatches 16 --micro-batch-size 4 --eval.dataset aime24 --eval.n 32 \
         --eval.top-p 0.7 --track
 Smaller GPU run (one process; Qwen2.5-Math-1.5B has a 4096-token context):
-    # planner: does not fit on 80 GB: 180.3 GB per GPU (fits with --micro-batch-size 1)
+    # planner: fits on 80 GB: 62.1 GB per GPU
     python algos/dapo.py --model Qwen/Qwen2.5-Math-1.5B --dataset math --template qwen-math --rollout.backend vllm \
         --learning-rate 1e-6 --max-new-tokens 3000 --prompts-per-step 128 --group-size 8 --num-minibatches 4 \
-        --micro-batch-size 8 --eval.dataset math500 --track
+        --micro-batch-tokens 8192 --gradient-checkpointing --eval.dataset math500 --track
 """
 
 from __future__ import annotations

@@ -19,10 +19,10 @@ reference model at all).
 CPU, offline (the defaults: the shipped tiny model on the synthetic `arith` task, ~1 s per step):
     python algos/grpo.py
 GPU, one process (vLLM colocated with the trainer; set the learning rate and token budget for the model):
-    # planner: does not fit on 80 GB: 186.5 GB per GPU (fits with --micro-batch-size 1)
-    python algos/grpo.py --model Qwen/Qwen2.5-Math-1.5B --dataset math --template qwen-math \
-        --rollout.backend vllm --learning-rate 1e-6 --max-new-tokens 3000 --prompts-per-step 128 \
-        --group-size 8 --num-minibatches 4 --micro-batch-size 8 --eval.dataset math500 --track
+    # planner: fits on 80 GB: 68.3 GB per GPU
+    python algos/grpo.py --model Qwen/Qwen2.5-Math-1.5B --dataset math --template qwen-math --rollout.backend vllm \
+        --learning-rate 1e-6 --max-new-tokens 3000 --prompts-per-step 128 --group-size 8 --num-minibatches 4 \
+        --micro-batch-tokens 8192 --gradient-checkpointing --eval.dataset math500 --track
 GPU, several processes (each rank its own colocated engine; a prompt's group stays on one rank):
     accelerate launch --num_processes 8 algos/grpo.py <the flags above>
 """

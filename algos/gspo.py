@@ -35,10 +35,10 @@ Relative to grpo.py this file changes:
 CPU, offline (the defaults: the shipped tiny model on the synthetic `arith` task):
     python algos/gspo.py
 GPU, one process (the paper's clip range and 4 mini-batches; lr and token budget for the model):
-    # planner: does not fit on 80 GB: 180.3 GB per GPU (fits with --micro-batch-size 1)
-    python algos/gspo.py --model Qwen/Qwen2.5-Math-1.5B --dataset math --template qwen-math \
-        --rollout.backend vllm --learning-rate 1e-6 --max-new-tokens 3000 --prompts-per-step 128 \
-        --group-size 8 --num-minibatches 4 --micro-batch-size 8 --clip-eps-low 3e-4 --clip-eps-high 4e-4 \
+    # planner: fits on 80 GB: 62.1 GB per GPU
+    python algos/gspo.py --model Qwen/Qwen2.5-Math-1.5B --dataset math --template qwen-math --rollout.backend vllm \
+        --learning-rate 1e-6 --max-new-tokens 3000 --prompts-per-step 128 --group-size 8 --num-minibatches 4 \
+        --micro-batch-tokens 8192 --gradient-checkpointing --clip-eps-low 3e-4 --clip-eps-high 4e-4 \
         --eval.dataset math500 --track
 GPU, several processes (each rank its own colocated engine; a prompt's group stays on one rank):
     accelerate launch --num_processes 8 algos/gspo.py <the flags above>

@@ -32,15 +32,15 @@ The teacher's effect: `arith-hard` has 4 operands where the warm start saw 3 (sa
 on its 200 problems after 60 steps, seeds 1-3 (benchmarks/results/teacher): GRPO 0.035 -> 0.058 +- 0.001, LUFFY
 0.035 -> 0.094 +- 0.003 (greedy 0.057 vs 0.113), from
     python benchmarks/run.py teacher && python benchmarks/collect.py teacher
-GPU, one process (paper: Qwen2.5-Math-7B with a 16k context, OpenR1 traces, lr 1e-6, 128 prompts x (7+1), 8k tokens,
-2 updates per batch; add --no-on-policy-clip to match the released train.sh):
-    # planner: needs FSDP2 sharding (--fsdp) on 80 GB: 479.0 GB per GPU
-    python algos/luffy.py --model Elliott/Qwen2.5-Math-7B-16k-think --dataset openr1-luffy --template qwen-math \
-        --rollout.backend vllm --learning-rate 1e-6 --max-new-tokens 8192 --max-prompt-tokens 1024 \
-        --prompts-per-step 128 --group-size 8 --num-minibatches 2 --micro-batch-size 4 \
-        --eval.dataset math500 --eval.temperature 0.6 --eval.n 1 --eval.k 1 --track
-GPU, several processes (each rank its own colocated engine; a prompt's group stays on one rank):
-    accelerate launch --num_processes 8 algos/luffy.py <the flags above>
+GPU, sharded over one node of 8 (paper: Qwen2.5-Math-7B with a 16k context, OpenR1 traces, lr 1e-6, 128 prompts x
+(7+1), 8k tokens, 2 updates per batch; packed, checkpointed, vLLM asleep during the update; add --no-on-policy-clip
+to match the released train.sh):
+    # planner: fits on 80 GB: 61.2 GB per GPU
+    accelerate launch --config_file scripts/accelerate/fsdp2.yaml algos/luffy.py --fsdp \
+        --model Elliott/Qwen2.5-Math-7B-16k-think --dataset openr1-luffy --template qwen-math --rollout.backend vllm \
+        --rollout.enable-sleep-mode --learning-rate 1e-6 --max-new-tokens 8192 --max-prompt-tokens 1024 \
+        --prompts-per-step 128 --group-size 8 --num-minibatches 2 --micro-batch-tokens 16384 \
+        --gradient-checkpointing --eval.dataset math500 --eval.temperature 0.6 --eval.n 1 --eval.k 1 --track
 """
 
 from __future__ import annotations

@@ -24,15 +24,15 @@ parent of critic-free ones); `diff algos/grpo.py algos/ppo.py` shows the critic,
 
 CPU, offline (the defaults: the shipped tiny model on the synthetic `arith` task):
     python algos/ppo.py
-GPU, one process (ORZ §3.1: actor lr 1e-6, critic lr 5e-6, 128 prompts x 64 samples, 1 policy step and 12
-critic steps per rollout, AdamW β2 0.95, 50 warm-up steps; ORZ generates up to 8000 tokens):
-    # planner: needs FSDP2 sharding (--fsdp) on 80 GB: 591.6 GB per GPU
-    python algos/ppo.py --model Qwen/Qwen2.5-7B --dataset math --template r1-zero --rollout.backend vllm \
-        --learning-rate 1e-6 --critic-learning-rate 5e-6 --adam-beta2 0.95 --warmup-steps 50 \
-        --max-new-tokens 8000 --prompts-per-step 128 --group-size 64 --critic-num-minibatches 12 \
-        --micro-batch-size 4 --eval.dataset math500 --track
-GPU, several processes (each rank its own colocated engine; a prompt's group stays on one rank):
-    accelerate launch --num_processes 8 algos/ppo.py <the flags above>
+GPU, sharded over two nodes of 8 (ORZ §3.1: actor lr 1e-6, critic lr 5e-6, 128 prompts x 64 samples, 1 policy step
+and 12 critic steps per rollout, AdamW β2 0.95, 50 warm-up steps; ORZ generates up to 8000 tokens; packed,
+checkpointed, vLLM asleep during the update; the second node runs the same command with --machine_rank 1):
+    # planner: fits on 80 GB: 76.5 GB per GPU
+    accelerate launch --config_file scripts/accelerate/multi_node.yaml --machine_rank 0 algos/ppo.py --fsdp \
+        --model Qwen/Qwen2.5-7B --dataset math --template r1-zero --rollout.backend vllm --rollout.enable-sleep-mode \
+        --learning-rate 1e-6 --critic-learning-rate 5e-6 --adam-beta2 0.95 --warmup-steps 50 --max-new-tokens 8000 \
+        --prompts-per-step 128 --group-size 64 --critic-num-minibatches 12 --micro-batch-tokens 16384 \
+        --gradient-checkpointing --eval.dataset math500 --track
 """
 
 from __future__ import annotations

@@ -27,12 +27,15 @@ Relative to grpo.py this file changes:
 
 CPU, offline (the defaults: the shipped tiny model on the synthetic `arith` task):
     python algos/prime.py
-GPU (PRIME's run script: policy lr 5e-7, PRM lr 1e-6, 256 prompts x 4, 3072 tokens, 4 policy/PRM steps per batch):
-    # planner: needs FSDP2 sharding (--fsdp) on 80 GB: 580.2 GB per GPU
-    python algos/prime.py --model PRIME-RL/Eurus-2-7B-SFT --dataset eurus2-rl --template qwen-math --track \
-        --rollout.backend vllm --learning-rate 5e-7 --prm-learning-rate 1e-6 --warmup-steps 0 --group-size 4 \
-        --prompts-per-step 256 --max-new-tokens 3072 --num-minibatches 4 --micro-batch-size 8 --eval.dataset math500
-    accelerate launch --num_processes 8 algos/prime.py <the flags above>  (one colocated engine per rank)
+GPU, sharded over two nodes of 8 (PRIME's run script: policy lr 5e-7, PRM lr 1e-6, 256 prompts x 4, 3072 tokens,
+4 policy/PRM steps per batch; packed, checkpointed, vLLM asleep during the update; one colocated engine per rank;
+the second node runs the same command with --machine_rank 1):
+    # planner: fits on 80 GB: 71.7 GB per GPU
+    accelerate launch --config_file scripts/accelerate/multi_node.yaml --machine_rank 0 algos/prime.py --fsdp \
+        --model PRIME-RL/Eurus-2-7B-SFT --dataset eurus2-rl --template qwen-math --track --rollout.backend vllm \
+        --rollout.enable-sleep-mode --learning-rate 5e-7 --prm-learning-rate 1e-6 --warmup-steps 0 --group-size 4 \
+        --prompts-per-step 256 --max-new-tokens 3072 --num-minibatches 4 --micro-batch-tokens 8192 \
+        --gradient-checkpointing --eval.dataset math500
 """
 
 from __future__ import annotations

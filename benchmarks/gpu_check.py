@@ -1,6 +1,6 @@
 """One command that checks the GPU path on a GPU: the scripts on CUDA, then measured memory and throughput.
 
-    python benchmarks/gpu_check.py              # on a CUDA machine (about 10 minutes on one H100), no network, no vLLM
+    python benchmarks/gpu_check.py              # on a CUDA machine (~15 minutes on one H100, estimated), no network
     python benchmarks/gpu_check.py --smoke      # the same code on the CPU with tiny shapes (CI, under 2 minutes)
 
 Sections, each written to disk as soon as it is measured (a cut-off run keeps what it measured):
@@ -9,7 +9,11 @@ Sections, each written to disk as soon as it is measured (a cut-off run keeps wh
   learner   random-weight Qwen2.5 shapes from common/model_configs/ (no download): a forward + backward through
             the project's own log-prob path (common.logprobs.token_logprobs, fp32 chunked head at the real
             vocabulary, bf16 autocast over fp32 weights as the scripts train) and an AdamW step, over micro-batch
-            size x sequence length x gradient checkpointing: peak memory, learner tokens/s, model-FLOPs utilisation
+            size x sequence length x gradient checkpointing: peak memory, learner tokens/s, model-FLOPs utilisation;
+            each shape twice at the same token count: padded (micro-batch rows, --micro-batch-size) and packed
+            (--micro-batch-tokens: 2 x micro-batch sequences of 3/4 and 1/4 the length in one flat row,
+            token_logprobs(packed=True), with the kernel a script would pick: flash-attention's varlen path when
+            flash-attn is installed, else sdpa through a dense block-diagonal mask)
   generate  HFEngine decode tokens/s on the 0.5B shape
 Beside every learner row, the memory planner's prediction for the same shape and the measured/predicted ratio.
 
@@ -23,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import itertools
 import json
 import math
 import os
@@ -40,6 +45,7 @@ sys.path.insert(0, str(REPO))
 
 from common.logprobs import token_logprobs  # noqa: E402
 from common.rollout import HFEngine  # noqa: E402
+from common.runtime import attention_implementation  # noqa: E402
 
 CONFIGS = REPO / "common" / "model_configs"
 # bf16 dense peak of the GPUs this check is meant for (TFLOP/s); MFU is left out on others
@@ -118,8 +124,12 @@ def markdown(env: dict, records: list[dict]) -> str:
         "learner": (
             "model",
             "params_b",
+            "layout",
             "micro_batch",
             "seq_len",
+            "sequences",
+            "tokens",
+            "attention",
             "checkpointing",
             "peak_gb",
             "planned_gb",
@@ -222,18 +232,69 @@ def load_config(name: str, smoke: bool, workdir: Path) -> tuple[object, Path]:
     return AutoConfig.from_pretrained(folder), folder
 
 
-def planned_gb(config_dir: Path, micro_batch: int, seq_len: int, checkpointing: bool, bf16: bool) -> float:
+LAYOUTS = ("padded", "packed")  # each learner shape runs both ways, at the same token count
+
+
+def sequence_lengths(layout: str, micro_batch: int, seq_len: int) -> list[int]:
+    """The sequences of one learner micro-batch, ``micro_batch`` x ``seq_len`` tokens either way. padded:
+    ``micro_batch`` rows of ``seq_len``. packed: the same tokens as sequences of unequal length, as a long-tailed
+    batch packs them (``--micro-batch-tokens``): ``micro_batch`` of 3/4 ``seq_len`` and ``micro_batch`` of the rest."""
+    if layout == "padded":
+        return [seq_len] * micro_batch
+    long = 3 * seq_len // 4
+    return [long] * micro_batch + [seq_len - long] * micro_batch
+
+
+def prompt_tokens(length: int) -> int:
+    """A sequence's prompt: a quarter of it, at least 1 token (the one that predicts the first completion token) and
+    at most 512; the rest is completion (scored by the head)."""
+    return max(1, min(512, length // 4))
+
+
+def learner_batch(
+    layout: str, micro_batch: int, seq_len: int, vocab: int, generator: torch.Generator, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(input_ids, attention_mask, completion_width) of one learner micro-batch, rows laid out as the scripts lay
+    them out (``[left-padded prompt | right-padded completion]``, ``common.bookkeeping.pack_rollout``); packed rows
+    go to ``token_logprobs(..., packed=True)``, which runs them as one flat row of all their tokens."""
+    lengths = sequence_lengths(layout, micro_batch, seq_len)
+    prompts = [prompt_tokens(n) for n in lengths]
+    prompt_width, completion_width = max(prompts), max(n - p for n, p in zip(lengths, prompts))
+    input_ids = torch.randint(
+        0, vocab, (len(lengths), prompt_width + completion_width), generator=generator, device=device
+    )
+    attention_mask = torch.zeros_like(input_ids)
+    for row, (n, p) in enumerate(zip(lengths, prompts)):
+        attention_mask[row, prompt_width - p : prompt_width - p + n] = 1
+    return input_ids, attention_mask, completion_width
+
+
+def planned_gb(
+    config_dir: Path,
+    micro_batch: int,
+    seq_len: int,
+    checkpointing: bool,
+    bf16: bool,
+    layout: str = "padded",
+    attention: str = "sdpa",
+) -> float:
     """The memory planner's prediction for this learner probe, from its own component formulas (common/memory.py):
     fp32 weights, gradients and AdamW moments (16 bytes per parameter), the bf16 autocast copies (2 bytes), the
     activations of one micro-batch and the chunked fp32 log-prob head. CUDA's context and vLLM are not in the probe,
-    so they are not in the prediction either."""
+    so they are not in the prediction either. Padded rows: a ``seq_len``-wide mask row per token; packed: one flat
+    row, under sdpa a (tokens x tokens) block-diagonal mask, under flash-attention's varlen path none."""
     from common import memory
 
     shape = memory.model_shape(str(config_dir))
-    completion = seq_len - min(512, seq_len // 4)
+    lengths = sequence_lengths(layout, micro_batch, seq_len)
+    tokens, completion_tokens = sum(lengths), sum(n - prompt_tokens(n) for n in lengths)
+    if layout == "padded":
+        mask_len = seq_len  # every row full: no left padding
+    else:
+        mask_len = 0 if attention.startswith("flash_attention") else tokens
     total = (16 + (2 if bf16 else 0)) * shape.params
-    total += micro_batch * seq_len * memory.activation_bytes_per_token(shape, seq_len, bf16, checkpointing)
-    total += memory.logprob_head_bytes(shape, micro_batch, completion)
+    total += memory.activation_bytes(shape, tokens, mask_len, completion_tokens, bf16, checkpointing)
+    total += memory.logprob_head_bytes(shape, completion_tokens)
     return total / 1e9
 
 
@@ -246,13 +307,25 @@ def check_learner(
     peak_tflops = next((v for k, v in PEAK_BF16_TFLOPS.items() if k in report.env["device"]), None)
     for name in names:
         config, folder = load_config(name, smoke, workdir)
-        for micro_batch, seq_len, checkpointing in grid:
-            record = {"model": name, "micro_batch": micro_batch, "seq_len": seq_len, "checkpointing": checkpointing}
-            record["planned_gb"] = planned_gb(folder, micro_batch, seq_len, checkpointing, bf16=True)
+        for (micro_batch, seq_len, checkpointing), layout in itertools.product(grid, LAYOUTS):
+            # the kernel a script's run would use (packed on CUDA: flash-attention's varlen path when flash-attn is
+            # installed); the CPU smoke run keeps sdpa, the CUDA default, for both
+            attention = attention_implementation(device.type, layout == "packed") if device.type == "cuda" else "sdpa"
+            record = {
+                "model": name,
+                "layout": layout,
+                "micro_batch": micro_batch,
+                "seq_len": seq_len,
+                "sequences": len(sequence_lengths(layout, micro_batch, seq_len)),
+                "tokens": micro_batch * seq_len,
+                "attention": attention,
+                "checkpointing": checkpointing,
+            }
+            record["planned_gb"] = planned_gb(folder, micro_batch, seq_len, checkpointing, True, layout, attention)
             model = optimizer = None
             try:
                 with device:  # random weights built on the device: a 7B init on the host would take minutes
-                    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
+                    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation=attention)
                 params = sum(p.numel() for p in model.parameters())
                 record["params_b"] = params / 1e9
                 if checkpointing:
@@ -260,11 +333,10 @@ def check_learner(
                 model.train()
                 optimizer = torch.optim.AdamW(model.parameters(), lr=1e-7)
                 generator = torch.Generator(device=device).manual_seed(0)
-                input_ids = torch.randint(
-                    0, config.vocab_size, (micro_batch, seq_len), generator=generator, device=device
+                input_ids, attention_mask, completion = learner_batch(
+                    layout, micro_batch, seq_len, config.vocab_size, generator, device
                 )
-                attention_mask = torch.ones_like(input_ids)
-                completion = seq_len - min(512, seq_len // 4)  # a prompt of up to 512 tokens, the rest completion
+                completion_mask = attention_mask[:, -completion:]
                 times = []
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
@@ -274,8 +346,16 @@ def check_learner(
                         torch.cuda.synchronize()
                     t0 = time.time()
                     with torch.autocast(device.type, dtype=torch.bfloat16):
-                        logprobs, _ = token_logprobs(model, input_ids, attention_mask, completion, 1.0, fp32_head=True)
-                    loss = -logprobs.mean()
+                        logprobs, _ = token_logprobs(
+                            model,
+                            input_ids,
+                            attention_mask,
+                            completion,
+                            1.0,
+                            fp32_head=True,
+                            packed=layout == "packed",
+                        )
+                    loss = -(logprobs * completion_mask).sum() / completion_mask.sum()
                     loss.backward()
                     if device.type == "cuda":
                         torch.cuda.synchronize()
@@ -285,11 +365,12 @@ def check_learner(
                 if device.type == "cuda":
                     record["peak_gb"] = torch.cuda.max_memory_allocated() / 1e9
                 seconds = min(times[1:])
-                tokens = micro_batch * seq_len
+                tokens = int(attention_mask.sum())
                 record["tokens_per_s"] = tokens / seconds
-                # 6 N T for the dense matmuls (x 4/3 with recomputation) + 12 L H S T for attention scores and values
+                # 6 N T for the dense matmuls (x 4/3 with recomputation) + 12 L H S T for attention scores and values,
+                # S T summed per sequence (the model's own work; a packed row's dense mask computes more than that)
                 flops = (8 if checkpointing else 6) * params * tokens
-                flops += 12 * config.num_hidden_layers * config.hidden_size * seq_len * tokens
+                flops += 12 * config.num_hidden_layers * config.hidden_size * int((attention_mask.sum(-1) ** 2).sum())
                 if peak_tflops:
                     record["mfu"] = flops / seconds / (peak_tflops * 1e12)
                 if record.get("peak_gb") and record["planned_gb"]:

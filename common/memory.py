@@ -24,15 +24,23 @@ embeddings once) and the run's flags. Per GPU, with P parameters per model:
   ``VLLM_ASLEEP_GB``, not measured. The HF engine instead decodes on the trainer's own weights and holds a KV cache
   for the rows it decodes at once (``--rollout.hf-max-batch``), in the trainer's weight dtype; under ``--fsdp`` it
   samples from a gathered copy (a full replica per rank).
-* activations of one micro-batch at the worst-case padded length (``max_model_len`` = prompt budget + token
-  budget): the bytes autograd saves for backward, per token and layer, counted with ``saved_tensors_hooks`` on the
-  project's own log-prob path (``benchmarks/activation_memory.py``; ``tests/test_memory.py`` holds the formula to
-  the measurement): ``34h + 8i + 4·heads + 8 + 2T`` bytes under bf16 autocast (``40h + 16i + 4·heads + 8 + 4T`` in
-  fp32), h the hidden size, i the MLP width, T the padded length (sdpa's attention mask, converted per layer); plus
-  ``12h + 8·head_dim + 12`` outside the layers. With ``--gradient-checkpointing``: each layer's input (4h) plus one
-  layer recomputed at a time in the backward pass.
-* the log-prob head's chunk (``common/logprobs.py``): rows x ``LOGPROB_CHUNK`` positions x vocab fp32 logits and their
-  log-softmax, and in the backward pass their two gradients: 4 such buffers at the peak.
+* activations of one micro-batch: the bytes autograd saves for backward, counted with ``saved_tensors_hooks`` on the
+  project's own log-prob path (``benchmarks/activation_memory.py``, padded and packed; ``tests/test_memory.py`` holds
+  the formula to the measurement). Per token and layer ``34h + 8i + 4·heads + 8 + 2T`` bytes under bf16 autocast
+  (``40h + 16i + 4·heads + 8 + 4T`` in fp32), h the hidden size, i the MLP width, T the width of the attention
+  mask's rows (sdpa converts the mask to the query dtype in every layer); plus ``12h + 8·head_dim + 12`` per token
+  outside the layers, and ``4h + 40`` per completion token (the head's gathered fp32 input and its indices). With
+  ``--gradient-checkpointing``: each layer's input (4h), the boolean mask the layers keep for their recomputation
+  (T bytes per token), and one layer recomputed at a time in the backward pass. Padded (``--micro-batch-size``):
+  rows x the worst-case padded length (``max_model_len`` = prompt budget + token budget), T that length. Packed
+  (``--micro-batch-tokens N``): N tokens in one flat row (all N counted as completion tokens); under sdpa one N x N
+  block-diagonal mask per layer (T = N, so the mask term grows as N²), under flash-attention's varlen path none
+  (T = 0; not measured: flash-attn does not run on the CPU). The kernel is the one a CUDA run would pick
+  (``common.runtime.attention_implementation``): flash_attention_2 for packed runs when flash-attn is importable on
+  the planning machine, else sdpa.
+* the log-prob head's chunk (``common/logprobs.py``): ``LOGPROB_CHUNK`` completion tokens (or all of them, when
+  fewer) x vocab fp32 logits and their log-softmax, and in the backward pass their two gradients: 4 such buffers at
+  the peak, whatever the number of rows, padded or packed.
 * ``CUDA_OVERHEAD_GB`` for the CUDA context, cuBLAS/NCCL workspaces and allocator slack.
 
 The peak is the larger of the rollout phase (engine awake; no gradients, activations or autocast copies) and the
@@ -121,41 +129,78 @@ def local_config(model: str) -> str | None:
     return str(MODEL_CONFIGS / folder) if folder else None
 
 
-def layer_bytes_per_token(shape: ModelShape, seq_len: int, bf16: bool) -> int:
-    """Bytes one decoder layer saves for backward per token, the micro-batch padded to ``seq_len`` positions.
+def layer_bytes_per_token(shape: ModelShape, mask_len: int, bf16: bool) -> int:
+    """Bytes one decoder layer saves for backward per token, under attention masks ``mask_len`` keys wide.
 
     Measured (``benchmarks/activation_memory.py``) for the sdpa attention the scripts use on CUDA:
     ``34h + 8i + 4·heads + 8 + 2T`` under bf16 autocast (fp32 residual and norms, bf16 casts of each projection's
     input, q/k/v with k and v expanded to every head, the MLP's three i-wide outputs), ``40h + 16i + 4·heads + 8 + 4T``
-    in fp32. The T term is the attention mask, which sdpa converts to the query dtype in every layer.
+    in fp32. The T term (``mask_len``) is the attention mask, which sdpa converts to the query dtype in every layer:
+    one row of T keys per token, so T x T per padded row of T tokens, and one N x N block-diagonal mask for a packed
+    row of N tokens. ``mask_len`` 0: no mask (flash-attention's varlen path; assumed, not measured here).
     """
     h, i = shape.hidden, shape.intermediate
     if bf16:
-        return 34 * h + 8 * i + 4 * shape.heads + 8 + 2 * seq_len
-    return 40 * h + 16 * i + 4 * shape.heads + 8 + 4 * seq_len
+        return 34 * h + 8 * i + 4 * shape.heads + 8 + 2 * mask_len
+    return 40 * h + 16 * i + 4 * shape.heads + 8 + 4 * mask_len
 
 
-def saved_bytes_per_token(shape: ModelShape, seq_len: int, bf16: bool, checkpointing: bool) -> int:
+def saved_bytes_per_token(shape: ModelShape, mask_len: int, bf16: bool, checkpointing: bool) -> int:
     """Bytes held for backward per token once the forward is done: every layer's share, plus ``12h + 8·head_dim +
-    12`` outside the layers (the final norm, the head's input, rotary tables, token ids). With checkpointing each
-    layer keeps only its fp32 input (4h), and the rotary tables stay inside the checkpoints."""
+    12`` outside the layers (the final norm and its output, rotary tables, token ids). With checkpointing each layer
+    keeps only its fp32 input (4h), the rotary tables stay inside the checkpoints, and the boolean attention mask
+    the layers were called with (``mask_len`` bytes per token, built once) is kept for their recomputation."""
     outside = 12 * shape.hidden + 12
     if checkpointing:
-        return shape.layers * 4 * shape.hidden + outside
-    return shape.layers * layer_bytes_per_token(shape, seq_len, bf16) + outside + 8 * shape.head_dim
+        return shape.layers * 4 * shape.hidden + outside + mask_len
+    return shape.layers * layer_bytes_per_token(shape, mask_len, bf16) + outside + 8 * shape.head_dim
 
 
-def activation_bytes_per_token(shape: ModelShape, seq_len: int, bf16: bool, checkpointing: bool) -> int:
-    """Peak activation bytes per token: what the forward saves, plus, with checkpointing, the one layer the backward
-    pass recomputes at a time."""
-    recomputed = layer_bytes_per_token(shape, seq_len, bf16) + 8 * shape.head_dim if checkpointing else 0
-    return saved_bytes_per_token(shape, seq_len, bf16, checkpointing) + recomputed
+def head_input_bytes(shape: ModelShape, completion_tokens: int) -> int:
+    """Bytes the log-prob path saves per completion token, checkpointing or not: the fp32 hidden state that predicts
+    it, gathered for the chunked head (4h), and the int64 indices that take it there and back (40 packed, 32 padded;
+    ``common/packing.py``'s layout). Measured with the layers' bytes (``benchmarks/activation_memory.py``)."""
+    return completion_tokens * (4 * shape.hidden + 40)
 
 
-def logprob_head_bytes(shape: ModelShape, rows: int, completion_len: int) -> float:
-    """Peak of the chunked fp32 log-prob head: 4 buffers of rows x chunk x vocab fp32 (logits, log-softmax, and
-    their gradients in the backward pass; ``common/logprobs.py``)."""
-    return 4 * rows * min(LOGPROB_CHUNK, completion_len) * shape.vocab * 4
+def saved_bytes(
+    shape: ModelShape, tokens: int, mask_len: int, completion_tokens: int, bf16: bool, checkpointing: bool
+) -> int:
+    """Bytes held for backward once one micro-batch's forward is done: ``tokens`` positions (rows x padded length,
+    or a packed row's tokens), ``completion_tokens`` of them scored by the head."""
+    per_token = saved_bytes_per_token(shape, mask_len, bf16, checkpointing)
+    return tokens * per_token + head_input_bytes(shape, completion_tokens)
+
+
+def activation_bytes(
+    shape: ModelShape, tokens: int, mask_len: int, completion_tokens: int, bf16: bool, checkpointing: bool
+) -> int:
+    """Peak activation bytes of one micro-batch: what the forward saves (``saved_bytes``), plus, with checkpointing,
+    the one layer the backward pass recomputes at a time."""
+    recomputed = tokens * (layer_bytes_per_token(shape, mask_len, bf16) + 8 * shape.head_dim) if checkpointing else 0
+    return saved_bytes(shape, tokens, mask_len, completion_tokens, bf16, checkpointing) + recomputed
+
+
+def logprob_head_bytes(shape: ModelShape, completion_tokens: int) -> float:
+    """Peak of the chunked fp32 log-prob head: 4 buffers of chunk x vocab fp32 (logits, log-softmax, and their
+    gradients in the backward pass; ``common/logprobs.py``), a chunk being ``LOGPROB_CHUNK`` completion tokens (or
+    all of them, when fewer) whatever the number of rows."""
+    return 4 * min(LOGPROB_CHUNK, completion_tokens) * shape.vocab * 4
+
+
+def longest_sequence(args, max_model_len: int) -> int:
+    """The longest training sequence: prompt budget + ``--max-new-tokens`` (``max_model_len`` holds the larger of
+    the training and evaluation token budgets; ``common.runtime.context_budget``)."""
+    budget = max(args.max_new_tokens, args.eval.max_new_tokens)
+    return max_model_len - budget + args.max_new_tokens
+
+
+def planned_attention(packed: bool) -> str:
+    """The attention kernel a CUDA run would use (``common.runtime.attention_implementation``): flash_attention_2
+    for packed micro-batches when the flash-attn package is importable on the planning machine, else sdpa."""
+    from common.runtime import attention_implementation  # runtime imports this module
+
+    return attention_implementation("cuda", packed=packed)
 
 
 @dataclass
@@ -241,8 +286,20 @@ def plan_memory(
     autocast = args.mixed_precision != "no" and not bf16_weights
     wbytes = 2 if bf16_weights else 4
     n_trained, has_ref = trained_models(args)
-    rows = min(args.micro_batch_size, args.prompts_per_step // world * args.group_size)
-    completion = min(args.max_new_tokens, max_model_len)  # the widest completion a micro-batch can hold
+    rank_rows = args.prompts_per_step // world * args.group_size  # the sequences one process trains on per step
+    packed = args.micro_batch_tokens > 0
+    attention = planned_attention(packed)
+    if packed:  # one flat row of at most N tokens; under sdpa one N x N block-diagonal mask per layer
+        tokens = min(args.micro_batch_tokens, rank_rows * max_model_len)
+        mask_len = 0 if attention.startswith("flash_attention") else tokens
+        completion_tokens = tokens  # at most: a bin's tokens, prompts included
+        mask = f"one {tokens} x {tokens} mask per layer" if mask_len else "no mask"
+        micro = f"packed: {tokens} tokens in one row, {attention}, {mask}"
+    else:  # rows at the worst-case padded length, each with a max_model_len-wide mask row per token
+        rows = min(args.micro_batch_size, rank_rows)
+        tokens, mask_len = rows * max_model_len, max_model_len
+        completion_tokens = rows * min(args.max_new_tokens, max_model_len)
+        micro = f"{rows} rows x {max_model_len} tokens, {attention}"
     fsdp = getattr(args, "fsdp", False) and world > 1
     shards = world if fsdp else 1  # the trainer state and the reference divide by the processes under --fsdp
     on_gpu = 0.0 if fsdp and args.fsdp_offload else 1.0  # --fsdp-offload: the sharded state in host memory
@@ -263,14 +320,14 @@ def plan_memory(
     trainer_state = sum(b for _, b in components)
     copies = n_trained * 2 * p if autocast else 0.0
     components.append(("bf16 autocast weight copies", copies))
-    act = rows * max_model_len * activation_bytes_per_token(shape, max_model_len, autocast or bf16_weights, False)
-    act_ckpt = rows * max_model_len * activation_bytes_per_token(shape, max_model_len, autocast or bf16_weights, True)
-    components.append((f"activations without checkpointing ({rows} rows x {max_model_len} tokens)", act))
+    bf16_act = autocast or bf16_weights
+    act = activation_bytes(shape, tokens, mask_len, completion_tokens, bf16_act, False)
+    act_ckpt = activation_bytes(shape, tokens, mask_len, completion_tokens, bf16_act, True)
+    components.append((f"activations without checkpointing ({micro})", act))
     components.append(("activations with --gradient-checkpointing", act_ckpt))
-    head = logprob_head_bytes(shape, rows, completion)
-    components.append(
-        (f"log-prob head chunk ({rows} x {min(LOGPROB_CHUNK, completion)} x {shape.vocab} fp32 x 4)", head)
-    )
+    head = logprob_head_bytes(shape, completion_tokens)
+    chunk = min(LOGPROB_CHUNK, completion_tokens)
+    components.append((f"log-prob head chunk ({chunk} tokens x {shape.vocab} fp32 x 4)", head))
     used_act = act_ckpt if args.gradient_checkpointing else act
     engine_weights = engine_share = 0.0
     if backend == "vllm":
@@ -317,7 +374,10 @@ def plan_memory(
 
 
 def suggest_fixes(args, model_path, max_model_len, world, card_gb, backend, plan: MemoryPlan) -> list[str]:
-    """Flag sets that make a failing plan fit (fewest changes first, then the largest micro-batch), or sharding."""
+    """Flag sets that make a failing plan fit (fewest changes first, packing first, then the largest micro-batch,
+    ``--fsdp`` last when several processes run unsharded), or sharding. Packing's token budgets
+    (``--micro-batch-tokens``) are the smallest power of two that holds the longest sequence (prompt budget +
+    ``--max-new-tokens``) and its doublings; a packed run is offered smaller budgets, down to the longest sequence."""
     if plan.needs_sharding:
         return [
             f"trainer state alone ({plan.trainer_state / GB:.1f} GB per GPU) exceeds the card: FSDP2 sharding "
@@ -329,9 +389,31 @@ def suggest_fixes(args, model_path, max_model_len, world, card_gb, backend, plan
     else:
         engine = [{}] + [{"hf_max_batch": n} for n in halvings(args.rollout.hf_max_batch, args.group_size)[1:]]
     ckpt = [{}] if args.gradient_checkpointing else [{}, {"gradient_checkpointing": True}]
-    micro = [{}] + [{"micro_batch_size": n} for n in halvings(args.micro_batch_size, 1)[1:]]
-    candidates = [e | c | m for e in engine for c in ckpt for m in micro if e | c | m]
-    candidates.sort(key=lambda ch: (len(ch), -ch.get("micro_batch_size", args.micro_batch_size)))
+    # token budgets that hold the longest sequence: powers of two from the smallest that does, up to the first that
+    # holds every token one process trains on per step (at most 64 x the longest); a packed run's rows no longer
+    # count, so it is offered smaller budgets, never --micro-batch-size
+    longest = longest_sequence(args, max_model_len)
+    if args.micro_batch_tokens > 0:
+        micro = [{}] + [{"micro_batch_tokens": n} for n in halvings(args.micro_batch_tokens, longest)[1:]]
+    else:
+        micro = [{}] + [{"micro_batch_size": n} for n in halvings(args.micro_batch_size, 1)[1:]]
+        rank_tokens = args.prompts_per_step // world * args.group_size * max_model_len
+        budget = 1 << (longest - 1).bit_length()
+        while budget < 2 * rank_tokens and budget <= 64 * longest:
+            micro.append({"micro_batch_tokens": budget})
+            budget *= 2
+    # several processes without --fsdp: sharding over them is a fix too (tried after the single-process knobs)
+    shard = [{}, {"fsdp": True}] if world > 1 and not plan.fsdp else [{}]
+    candidates = [s | e | c | m for s in shard for e in engine for c in ckpt for m in micro if s | e | c | m]
+    # fewest changes first; among them packing (the recommended GPU setting), the largest micro-batch first
+    candidates.sort(
+        key=lambda ch: (
+            len(ch),
+            "micro_batch_tokens" not in ch,
+            -ch.get("micro_batch_tokens", args.micro_batch_tokens),
+            -ch.get("micro_batch_size", args.micro_batch_size),
+        )
+    )
     found: list[dict] = []
     for changes in candidates:
         if any(f.items() <= changes.items() or set(f) == set(changes) for f in found):
@@ -361,7 +443,9 @@ def suggest_fixes(args, model_path, max_model_len, world, card_gb, backend, plan
                 if plan_memory(trial, model_path, max_model_len, world, card_gb, backend, False).fits:
                     fixes.append(_flag("gpu_memory_utilization", util))
                     break
-    return fixes or ["a larger GPU (no combination of micro-batch size, checkpointing and engine settings fits)"]
+    return fixes or [
+        "a larger GPU (no combination of micro-batch size or tokens, checkpointing and engine settings fits)"
+    ]
 
 
 ROLLOUT_FIELDS = ("enable_sleep_mode", "gpu_memory_utilization", "hf_max_batch")

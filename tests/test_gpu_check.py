@@ -1,12 +1,24 @@
 """The GPU check kit cannot rot: its --smoke mode runs the same code on the CPU with tiny shapes (scripts on the tiny
-model with a resume, the learner probe through the project's log-prob path, HF-engine generation)."""
+model with a resume, the learner probe through the project's log-prob path, padded and packed, HF-engine generation)."""
 
+import importlib.util
 import json
 import os
 import subprocess
 import sys
 
+import pytest
+import torch
 from conftest import REPO
+
+from common.packing import model_layout
+
+
+def load_gpu_check():
+    spec = importlib.util.spec_from_file_location("gpu_check", REPO / "benchmarks" / "gpu_check.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def test_gpu_check_smoke(tmp_path):
@@ -23,8 +35,38 @@ def test_gpu_check_smoke(tmp_path):
     assert [r["script"] for r in by_section["scripts"]] == ["grpo", "ppo"]
     assert all(r["ok"] and r["steps"] == 3 for r in by_section["scripts"]), by_section["scripts"]
     learner = by_section["learner"]
-    assert len(learner) == 2 and all(r["tokens_per_s"] > 0 and "error" not in r for r in learner)
+    assert len(learner) == 4 and all(r["tokens_per_s"] > 0 and "error" not in r for r in learner)
+    assert [r["layout"] for r in learner] == ["padded", "packed"] * 2  # each shape both ways, side by side
+    assert all(r["tokens"] == 2 * 64 for r in learner)  # the same token count padded and packed
     assert all(r["planned_gb"] > 0 for r in learner)  # the memory planner's prediction beside each row
     assert by_section["generate"][0]["tokens_per_s"] > 0
     table = (tmp_path / "results.md").read_text()
     assert "smoke run on the CPU" in table and "| grpo | True |" in table
+
+
+@pytest.mark.parametrize("micro_batch, seq_len", [(1, 1024), (4, 4096), (2, 64), (3, 12)])
+def test_packed_learner_rows_hold_the_padded_rows_token_counts(micro_batch, seq_len):
+    gpu_check = load_gpu_check()
+    generator = torch.Generator().manual_seed(0)
+    batches = {
+        layout: gpu_check.learner_batch(layout, micro_batch, seq_len, 97, generator, torch.device("cpu"))
+        for layout in gpu_check.LAYOUTS
+    }
+    (ids, mask, width), (packed_ids, packed_mask, packed_width) = batches["padded"], batches["packed"]
+    # padded: micro_batch full rows of seq_len, the first min(512, seq_len // 4) tokens prompt (as before packing)
+    assert mask.shape == ids.shape == (micro_batch, seq_len) and bool(mask.all())
+    assert width == seq_len - min(512, seq_len // 4)
+    # packed: the same tokens, as 2 x micro_batch sequences of 3/4 and 1/4 the length
+    long, short = 3 * seq_len // 4, seq_len - 3 * seq_len // 4
+    assert sorted(packed_mask.sum(-1).tolist()) == sorted([long] * micro_batch + [short] * micro_batch)
+    assert int(packed_mask.sum()) == int(mask.sum()) == micro_batch * seq_len
+    # rows as the scripts lay them out: [left-padded prompt | right-padded completion], a prompt of >= 1 token
+    prompt_width = packed_mask.shape[1] - packed_width
+    for row, n in zip(packed_mask, packed_mask.sum(-1).tolist()):
+        p = max(1, min(512, n // 4))
+        assert row[:prompt_width].tolist() == [0] * (prompt_width - p) + [1] * p
+        assert row[prompt_width:].tolist() == [1] * (n - p) + [0] * (packed_width - n + p)
+    # what token_logprobs(..., packed=True) gives the model: one flat row of all the padded rows' tokens
+    layout = model_layout(packed_ids, packed_mask, packed_width, packed=True)
+    assert tuple(layout.inputs["input_ids"].shape) == (1, micro_batch * seq_len)
+    assert tuple(model_layout(ids, mask, width, packed=False).inputs["input_ids"].shape) == (micro_batch, seq_len)

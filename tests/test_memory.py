@@ -59,7 +59,8 @@ def test_trainer_state_reference_vllm_share_and_sleep():
     assert parts["frozen reference"] == pytest.approx(4 * p / GB)  # grpo's default β = 0.04 loads it, in fp32
     assert parts["bf16 autocast weight copies"] == pytest.approx(2 * p / GB)
     assert parts["vLLM share"] == pytest.approx(0.35 * 80)
-    assert parts["log-prob head chunk"] == pytest.approx(4 * 8 * 1024 * 151936 * 4 / GB)
+    # 1024 completion tokens x the vocabulary in fp32, 4 buffers: 2.5 GB, not one chunk per row
+    assert parts["log-prob head chunk"] == pytest.approx(4 * 1024 * 151936 * 4 / GB)
     # without checkpointing, 8 rows of 3512 tokens at ~3.7 MB per token: far over the card
     assert parts["activations without checkpointing"] / (8 * 3512) * 1e3 == pytest.approx(3.69, abs=0.05)
     assert not plan.fits and not plan.needs_sharding and plan.fixes
@@ -139,15 +140,121 @@ HELD_OUT = [
 ]
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
 @pytest.mark.parametrize("config, seq, checkpointing, bf16", HELD_OUT)
-def test_activation_formula_matches_the_bytes_autograd_saves(config, seq, checkpointing, bf16):
+def test_activation_formula_matches_the_bytes_autograd_saves(config, seq, checkpointing, bf16, packed):
+    """The benchmark's batch: 2 rows of ``seq`` tokens, a quarter prompt, the first row left-padded by half its
+    prompt. Padded: 2·seq positions under seq-wide masks; packed: the attended tokens in one row under one mask of
+    their number squared; either way the completion tokens, 2·(seq - seq//4), feed the head."""
     bench = load_activation_benchmark()
     model, shape = bench.small_model(*config)
-    measured, copies = bench.saved_bytes(model, 2, seq, checkpointing, bf16)
-    formula = 2 * seq * memory.saved_bytes_per_token(shape, seq, bf16, checkpointing)
+    measured, copies = bench.saved_bytes(model, 2, seq, checkpointing, bf16, packed)
+    completion = 2 * (seq - seq // 4)
+    attended = 2 * seq - (seq // 4) // 2
+    tokens, mask_len = (attended, attended) if packed else (2 * seq, seq)
+    formula = memory.saved_bytes(shape, tokens, mask_len, completion, bf16, checkpointing)
     assert formula == pytest.approx(measured, rel=0.10)
     if bf16 and not checkpointing:  # autocast bf16 weight copies: ~2 bytes per parameter, counted apart
         assert copies == pytest.approx(2 * shape.params, rel=0.10)
+
+
+# Qwen2.5-Math-1.5B by hand: h 1536, i 8960, 28 layers, 12 heads of 128, vocab 151936. Per token under bf16
+# autocast, T the mask's width: 28 x (34·1536 + 8·8960 + 4·12 + 8 + 2T) = 3,470,880 + 56T in the layers, plus
+# 12·1536 + 12 + 8·128 = 19,468 outside them, plus 4·1536 + 40 = 6,184 per completion token.
+def packed_args(*flags):
+    return grpo_args("--max-new-tokens", "3000", "--prompts-per-step", "128", "--group-size", "8", *flags)
+
+
+def test_packed_activations_follow_the_token_budget_not_rows_times_length():
+    """--micro-batch-tokens 8192: one row of 8192 tokens under one 8192 x 8192 mask per layer, whatever
+    --micro-batch-size says; padded, 8 rows of 3512 tokens cost 8 x 3512 tokens under 3512-wide masks."""
+    packed = components(plan_memory(packed_args("--micro-batch-tokens", "8192"), MATH_15B, 3512, backend="vllm"))
+    n = 8192
+    by_hand = n * (3_470_880 + 56 * n + 19_468) + n * 6_184  # every packed token counted as a completion token
+    assert by_hand == 32_401_686_528
+    assert packed["activations without checkpointing"] == pytest.approx(by_hand / GB)
+    rows = grpo_args("--max-new-tokens", "3000", "--micro-batch-tokens", "8192", "--micro-batch-size", "1")
+    assert components(plan_memory(rows, MATH_15B, 3512, backend="vllm")) == packed  # rows do not count
+    padded = components(plan_memory(packed_args("--micro-batch-size", "8"), MATH_15B, 3512, backend="vllm"))
+    by_hand = 8 * 3512 * (3_470_880 + 56 * 3512 + 19_468) + 8 * 3000 * 6_184
+    assert padded["activations without checkpointing"] == pytest.approx(by_hand / GB)  # 103.7 GB
+    # a budget over the step's tokens is the step's tokens: 2 prompts x 2 samples x 3512 on one process
+    small = grpo_args("--max-new-tokens", "3000", "--prompts-per-step", "2", "--group-size", "2")
+    plan = plan_memory(dataclasses.replace(small, micro_batch_tokens=65536), MATH_15B, 3512, backend="vllm")
+    assert "packed: 14048 tokens in one row" in " ".join(label for label, _ in plan.components)
+
+
+def test_packed_mask_is_quadratic_in_the_budget_under_sdpa_and_absent_under_flash(monkeypatch):
+    """sdpa: 28 layers x N x N x 2 bytes (bf16 mask) = 56 N² on top of flash-attention's varlen path, which has no
+    mask; with checkpointing N² once more (the boolean mask kept for the recomputation) and 2N² for the one layer
+    recomputed: 3N². The plan's activation line names the kernel it assumes."""
+
+    def plan(n, attention):
+        monkeypatch.setattr(memory, "planned_attention", lambda packed: attention if packed else "sdpa")
+        return plan_memory(packed_args("--micro-batch-tokens", str(n)), MATH_15B, 3512, backend="vllm")
+
+    for n in (4096, 8192):
+        sdpa, flash = components(plan(n, "sdpa")), components(plan(n, "flash_attention_2"))
+        assert (sdpa["activations without checkpointing"] - flash["activations without checkpointing"]) * GB == (
+            pytest.approx(56 * n * n)
+        )
+        assert (
+            sdpa["activations with --gradient-checkpointing"] - flash["activations with --gradient-checkpointing"]
+        ) * (GB) == pytest.approx(3 * n * n)
+        assert flash["activations without checkpointing"] * GB == pytest.approx(n * (3_470_880 + 19_468 + 6_184))
+    assert 56 * 8192**2 == 4 * 56 * 4096**2  # doubling N quadruples the mask: 0.94 GB at 4096, 3.76 GB at 8192
+    labels = [label for label, _ in plan(8192, "sdpa").components]
+    assert "activations without checkpointing (packed: 8192 tokens in one row, sdpa, one 8192 x 8192 mask" in (
+        " ".join(labels)
+    )
+    labels = [label for label, _ in plan(8192, "flash_attention_2").components]
+    assert "(packed: 8192 tokens in one row, flash_attention_2, no mask)" in " ".join(labels)
+
+
+def test_planned_attention_is_flash_only_for_packed_runs_with_flash_attn_installed(monkeypatch):
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "flash_attn" else find_spec(name))
+    assert memory.planned_attention(True) == memory.planned_attention(False) == "sdpa"
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object() if name == "flash_attn" else None)
+    assert memory.planned_attention(True) == "flash_attention_2" and memory.planned_attention(False) == "sdpa"
+
+
+def test_head_chunk_counts_completion_tokens_whatever_the_rows():
+    """One chunk of at most 1024 completion tokens x 151936 fp32 x 4 buffers = 2.49 GB, for 1 row, 8 rows or a
+    packed row; only a micro-batch with fewer completion tokens than a chunk holds less (2 rows x 256 = 512)."""
+    full = 4 * 1024 * 151936 * 4
+    assert full == 2_489_319_424
+    for flags in (["--micro-batch-size", "1"], ["--micro-batch-size", "8"], ["--micro-batch-tokens", "4096"]):
+        head = components(plan_memory(packed_args(*flags), MATH_15B, 3512, backend="vllm"))["log-prob head chunk"]
+        assert head * GB == pytest.approx(full)
+    short = grpo_args("--max-new-tokens", "256", "--micro-batch-size", "2")
+    head = components(plan_memory(short, MATH_15B, 768, backend="vllm"))["log-prob head chunk"]
+    assert head * GB == pytest.approx(4 * 512 * 151936 * 4)
+
+
+def test_fixes_offer_token_budgets_from_the_longest_sequence_up():
+    """The flagship 1.5B command (8 rows of 512 + 3000 tokens, vLLM awake) does not fit; among the fixes is a token
+    budget, a power of two at or above the longest sequence (3512: 4096, 8192, ...), and it fits as offered. A
+    packed run over the card is offered smaller budgets, never one under the longest sequence."""
+    args = packed_args("--micro-batch-size", "8")
+    plan = plan_memory(args, MATH_15B, 3512, card_gb=80.0, backend="vllm")
+    assert not plan.fits
+    packing = [f for f in plan.fixes if "--micro-batch-tokens" in f]
+    assert packing, plan.fixes
+    budget = int(packing[0].split("--micro-batch-tokens ")[1].split()[0])
+    assert budget in (4096, 8192, 16384, 32768)
+    fixed = dataclasses.replace(args, micro_batch_tokens=budget)
+    if "--rollout.enable-sleep-mode" in packing[0]:
+        fixed = dataclasses.replace(fixed, rollout=dataclasses.replace(fixed.rollout, enable_sleep_mode=True))
+    if "--gradient-checkpointing" in packing[0]:
+        fixed = dataclasses.replace(fixed, gradient_checkpointing=True)
+    assert plan_memory(fixed, MATH_15B, 3512, card_gb=80.0, backend="vllm").fits
+    too_big = plan_memory(packed_args("--micro-batch-tokens", "65536"), MATH_15B, 3512, card_gb=80.0, backend="vllm")
+    offered = [
+        int(f.split("--micro-batch-tokens ")[1].split()[0]) for f in too_big.fixes if "--micro-batch-tokens" in f
+    ]
+    assert offered and all(3512 <= n < 65536 for n in offered), too_big.fixes
+    assert not any("--micro-batch-size" in f for f in too_big.fixes)  # rows mean nothing to a packed run
 
 
 def run_script(*flags):
