@@ -44,8 +44,8 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from common.logprobs import token_logprobs  # noqa: E402
+from common.packing import attention_implementation  # noqa: E402
 from common.rollout import HFEngine  # noqa: E402
-from common.runtime import attention_implementation  # noqa: E402
 
 CONFIGS = REPO / "common" / "model_configs"
 # bf16 dense peak of the GPUs this check is meant for (TFLOP/s); MFU is left out on others

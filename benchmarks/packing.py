@@ -38,7 +38,7 @@ Sections (``--sections``):
 * attention work, apart from the token counts: sum of L^2 over the sequences (what flash-attention's varlen path
   computes for packed bins), against rows x width^2 of each padded micro-batch and against (bin tokens)^2, what eager
   or sdpa attention computes for a packed bin through its dense block-diagonal mask (the CPU path, and CUDA without
-  flash-attn: ``common.runtime.attention_implementation``).
+  flash-attn: ``common.packing.attention_implementation``).
 * ``timing``: seconds per update step (forward + backward of ``common.logprobs.token_logprobs`` over one minibatch,
   gradient accumulation over its micro-batches, no optimiser step), grpo.py's CPU precision (fp32 weights, bf16
   autocast where the CPU has bf16 instructions, fp32 LM head, eager attention), padded and packed interleaved

@@ -36,7 +36,7 @@ embeddings once) and the run's flags. Per GPU, with P parameters per model:
   (``--micro-batch-tokens N``): N tokens in one flat row (all N counted as completion tokens); under sdpa one N x N
   block-diagonal mask per layer (T = N, so the mask term grows as N²), under flash-attention's varlen path none
   (T = 0; not measured: flash-attn does not run on the CPU). The kernel is the one a CUDA run would pick
-  (``common.runtime.attention_implementation``): flash_attention_2 for packed runs when flash-attn is importable on
+  (``common.packing.attention_implementation``): flash_attention_2 for packed runs when flash-attn is importable on
   the planning machine, else sdpa.
 * the log-prob head's chunk (``common/logprobs.py``): ``LOGPROB_CHUNK`` completion tokens (or all of them, when
   fewer) x vocab fp32 logits and their log-softmax, and in the backward pass their two gradients: 4 such buffers at
@@ -58,6 +58,7 @@ from pathlib import Path
 import torch
 
 from common.logprobs import LOGPROB_CHUNK
+from common.packing import attention_implementation
 
 GB = 1e9  # the planner's unit: decimal gigabytes
 DEFAULT_GPU_GB = 80.0  # the card a plan is judged against when no GPU is seen and --dry-run-gpu-gb is 0
@@ -196,10 +197,8 @@ def longest_sequence(args, max_model_len: int) -> int:
 
 
 def planned_attention(packed: bool) -> str:
-    """The attention kernel a CUDA run would use (``common.runtime.attention_implementation``): flash_attention_2
+    """The attention kernel a CUDA run would use (``common.packing.attention_implementation``): flash_attention_2
     for packed micro-batches when the flash-attn package is importable on the planning machine, else sdpa."""
-    from common.runtime import attention_implementation  # runtime imports this module
-
     return attention_implementation("cuda", packed=packed)
 
 

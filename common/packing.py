@@ -25,6 +25,7 @@ fewer until they match (verl's ``rearrange_micro_batches`` does the same with ba
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
 
 import torch
@@ -33,6 +34,15 @@ import torch.distributed as dist
 # attention implementations (transformers' ``_attn_implementation``) that separate packed sequences by their
 # restarting position_ids: eager/sdpa/flex through masking_utils' packed-sequence mask, flash-attention through varlen
 PACKABLE_ATTENTION = ("eager", "sdpa", "flex_attention", "flash_attention_2", "flash_attention_3")
+
+
+def attention_implementation(device_type: str, packed: bool) -> str:
+    """The trainer's attention kernel. CPU: eager (sdpa's bf16 backward is several times slower there). CUDA: sdpa,
+    except packed micro-batches with the flash-attn package installed, which take flash-attention's varlen path
+    (no N x N mask); packed under sdpa or eager builds a dense block-diagonal N x N mask, which the planner counts."""
+    if device_type != "cuda":
+        return "eager"
+    return "flash_attention_2" if packed and importlib.util.find_spec("flash_attn") is not None else "sdpa"
 
 
 def first_fit_decreasing(lengths: list[int], budget: int) -> list[list[int]]:

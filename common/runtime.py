@@ -30,6 +30,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from common.data import STOP_STRINGS, DatasetInfo, dataset_info, format_prompt, load_problems, resolve_model_path
 from common.evaluate import EvalConfig
 from common.memory import LOCAL_CONFIGS, check_memory_plan, local_config
+from common.packing import attention_implementation
 from common.rollout import use_fp32_head
 from common.sharding import shard_model
 from common.tracking import latest_checkpoint, seed_everything
@@ -153,15 +154,6 @@ def check_micro_batch_tokens(args, max_prompt_tokens: int) -> None:
             f"{max_prompt_tokens} + --max-new-tokens {args.max_new_tokens} = {longest} tokens; raise "
             "--micro-batch-tokens or lower --max-prompt-tokens"
         )
-
-
-def attention_implementation(device_type: str, packed: bool) -> str:
-    """The trainer's attention kernel. CPU: eager (sdpa's bf16 backward is several times slower there). CUDA: sdpa,
-    except packed micro-batches with the flash-attn package installed, which take flash-attention's varlen path
-    (no N x N mask); packed under sdpa or eager builds a dense block-diagonal N x N mask, which the planner counts."""
-    if device_type != "cuda":
-        return "eager"
-    return "flash_attention_2" if packed and importlib.util.find_spec("flash_attn") is not None else "sdpa"
 
 
 def check_sampling_flags(args) -> None:
