@@ -119,6 +119,7 @@ class Bookkeeper:
         self.stop_signal: list[int] = []  # SIGTERM / SIGINT: finish the current step, checkpoint, exit
         self.progress = None
         self.step = 0  # the step in progress (0-based)
+        self.step_start: tuple[int, object] = (0, None)  # the data cursor and RNG state when that step began
         self.prompt_indices: list[int] = []  # training-set indices of this process's prompts from next_prompts
         run.accelerator.print(describe_protocol(task.eval_cfg, task.eval_name, task.eval_template, EVAL_SEED))
 
@@ -160,9 +161,25 @@ class Bookkeeper:
             desc=args.exp_name,
             disable=not run.is_main,
         )
+        if hasattr(self.engine, "on_fault"):  # a rollout server that fails mid-run: checkpoint, then exit
+            self.engine.on_fault = self.checkpoint_on_fault
         for step in self.progress:
             self.step = step
+            self.step_start = (self.cursor, rng_state())  # what a fault before this step's update gives back
             yield step
+
+    def checkpoint_on_fault(self, after_update: bool) -> None:
+        """Checkpoint the last completed step after a rollout-server failure, so that ``--resume`` continues exactly.
+
+        Before this step's update (a failed rollout) the step's prompts and RNG draws are given back and the previous
+        step is saved (nothing, in the first step); after it (a failed weight push) the updated state is saved as
+        this step, whose metrics row is then missing from metrics.jsonl."""
+        if not after_update:
+            if self.step == 0:
+                return
+            self.cursor = self.step_start[0]
+            set_rng_state(self.step_start[1])
+        self.checkpoint(self.step + int(after_update))
 
     def next_prompts(self, exclude: Collection[int] = ()) -> tuple[list[dict], list[list[int]]]:
         """The next ``--prompts-per-step`` prompts of the seeded stream: this process's contiguous share (whole

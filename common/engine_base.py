@@ -19,12 +19,19 @@ import torch
 class RolloutConfig:
     """Rollout back-end settings (``--rollout.*`` flags)."""
 
-    backend: Literal["auto", "hf", "vllm"] = "auto"
-    """'auto' = vLLM when CUDA and vllm are available, else the Hugging Face engine"""
+    backend: Literal["auto", "hf", "vllm", "vllm-server"] = "auto"
+    """'auto' = vLLM when CUDA and vllm are available, else the Hugging Face engine; 'vllm-server' = running servers"""
+    server_urls: str = ""
+    """vllm-server: comma-separated base URLs of running vLLM servers (scripts/serve_rollout.py prints one)"""
+    server_timeout_s: float = 600.0
+    """vllm-server: a request unanswered this long stops the run (after checkpointing the last completed step)"""
     hf_max_batch: int = 512
     """HF engine: most sequences decoded at once (lower it to save memory; a prompt's group always goes together)"""
+    server_tensor_parallel: int = 1
+    """vllm-server: tensor-parallel size of each server, for the memory plan (serve_rollout.py --tp)"""
     gpu_memory_utilization: float = 0.35
-    """vLLM: fraction of GPU memory for weights + KV cache (the trainer shares the GPU)"""
+    """vLLM: fraction of GPU memory for weights + KV cache (the trainer shares the GPU); vllm-server: the servers'
+    fraction, for the memory plan only (left at 0.35 it is planned at serve_rollout.py's default, 0.9)"""
     vllm_dtype: str = "auto"
     """vLLM: weight dtype ('auto' follows the checkpoint; 'float32' matches the CPU trainer exactly)"""
     fp32_lm_head: Literal["auto", "on", "off"] = "auto"

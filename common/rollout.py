@@ -309,6 +309,12 @@ def make_engine(
         return HFEngine(model, tokenizer, max_batch=cfg.hf_max_batch, logit_noise=cfg.logit_noise)
     if cfg.logit_noise:
         raise ValueError("--rollout.logit-noise perturbs the HF engine's sampler only; use --rollout.backend hf")
+    if backend == "vllm-server":
+        from common.vllm_server import VLLMServerEngine  # plain HTTP on a CPU; vLLM's NCCL sender only on GPUs
+
+        device = next(model.parameters()).device
+        fp32_head = use_fp32_head(cfg, device)
+        return VLLMServerEngine(cfg, model, tokenizer, model_path, seed, cfg.max_model_len or max_model_len, fp32_head)
     from common.vllm_engine import VLLMEngine  # lazy: vLLM only when asked for (it raises if vllm is missing)
 
     return VLLMEngine(cfg, model, tokenizer, model_path, seed, cfg.max_model_len or max_model_len)

