@@ -26,11 +26,18 @@ Relative to grpo.py this file changes:
 CPU, offline (the defaults: the shipped tiny model on the synthetic `arith` task):
     python algos/dapo.py
 GPU, the paper's setting (§4.1: lr 1e-6, warm-up 20 rollout steps = 320 optimiser steps, 512 prompts x G=16,
-mini-batches of 512 responses = 16 updates per rollout, max 20480 tokens incl. a 4096-token cache, avg@32 at top-p 0.7):
-    # planner: needs FSDP2 sharding (--fsdp) on 80 GB: 3109.9 GB per GPU
-    accelerate launch --num_processes 8 algos/dapo.py --model Qwen/Qwen2.5-32B --dataset dapo17k --template dapo \
-        --rollout.backend vllm --learning-rate 1e-6 --warmup-steps 320 --max-new-tokens 20480 --prompts-per-step 512 \
-        --group-size 16 --num-minibatches 16 --micro-batch-size 4 --eval.dataset aime24 --eval.n 32 \
+mini-batches of 512 responses = 16 updates per rollout, max 20480 tokens incl. a 4096-token cache, avg@32 at top-p 0.7).
+Not run. 32B needs several nodes (docs/gpu.md, "Rollout servers"): 16 nodes of 8 H200 (141 GB), verl's scale. Nodes
+9-16 each run one rollout server (tensor parallel 8; SERVERS holds their 8 URLs, comma-separated), nodes 1-8 the
+trainer, 64 processes sharded with --fsdp (the same command with --machine_rank 1 to 7). On 80 GB cards bf16
+autocast's weight copies (65.5 GB per GPU) leave the trainer no room: docs/dapo.md gives the fp32 alternative.
+    python scripts/serve_rollout.py --model Qwen/Qwen2.5-32B --tp 8 --host 10.0.0.9 --port 8000 --max-model-len 20992
+    # planner: fits on 141 GB: 136.3 GB per GPU
+    accelerate launch --config_file scripts/accelerate/multi_node.yaml --num_machines 8 --num_processes 64 \
+        --machine_rank 0 algos/dapo.py --fsdp --model Qwen/Qwen2.5-32B --dataset dapo17k --template dapo \
+        --rollout.backend vllm-server --rollout.server-urls "$SERVERS" --rollout.server-tensor-parallel 8 \
+        --learning-rate 1e-6 --warmup-steps 320 --max-new-tokens 20480 --prompts-per-step 512 --group-size 16 \
+        --num-minibatches 16 --micro-batch-tokens 20992 --gradient-checkpointing --eval.dataset aime24 --eval.n 32 \
         --eval.top-p 0.7 --track
 Smaller GPU run (one process; Qwen2.5-Math-1.5B has a 4096-token context):
     # planner: fits on 80 GB: 62.1 GB per GPU

@@ -92,11 +92,12 @@ class CorrectionConfig:
 
 
 def sampler_differs(rollout: RolloutConfig) -> bool:
-    """Whether the sampler is a different program from the trained module: vLLM, or a perturbed HF sampler."""
+    """Whether the sampler is a different program from the trained module: vLLM (colocated or a server), or a perturbed
+    HF sampler."""
     from common.rollout import vllm_available
 
     backend = rollout.backend if rollout.backend != "auto" else ("vllm" if vllm_available() else "hf")
-    return backend == "vllm" or rollout.logit_noise > 0
+    return backend in ("vllm", "vllm-server") or rollout.logit_noise > 0
 
 
 def resolve_correction(cfg: CorrectionConfig, rollout: RolloutConfig, own_correction: str = "") -> CorrectionConfig:

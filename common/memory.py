@@ -23,7 +23,10 @@ embeddings once) and the run's flags. Per GPU, with P parameters per model:
   freed; ``common/vllm_engine.py``); what stays on the GPU (CUDA graphs, workspaces) is assumed to be
   ``VLLM_ASLEEP_GB``, not measured. The HF engine instead decodes on the trainer's own weights and holds a KV cache
   for the rows it decodes at once (``--rollout.hf-max-batch``), in the trainer's weight dtype; under ``--fsdp`` it
-  samples from a gathered copy (a full replica per rank).
+  samples from a gathered copy (a full replica per rank). Rollout servers (``--rollout.backend vllm-server``) hold
+  their own GPUs: the trainer's hold no engine, only, while the weights are pushed, vLLM's two 1 GiB packed NCCL
+  buffers on rank 0 (``NCCL_PUSH_BYTES``) and under ``--fsdp`` the one gathered tensor being sent (at most the
+  embedding). The servers' GPUs are planned apart (``plan_server``, below).
 * activations of one micro-batch: the bytes autograd saves for backward, counted with ``saved_tensors_hooks`` on the
   project's own log-prob path (``benchmarks/activation_memory.py``, padded and packed; ``tests/test_memory.py`` holds
   the formula to the measurement). Per token and layer ``34h + 8i + 4·heads + 8 + 2T`` bytes under bf16 autocast
@@ -45,6 +48,15 @@ embeddings once) and the run's flags. Per GPU, with P parameters per model:
 
 The peak is the larger of the rollout phase (engine awake; no gradients, activations or autocast copies) and the
 update phase. A plan does not fit when its peak exceeds the card. Nothing algorithmic lives here.
+
+Rollout servers (``scripts/serve_rollout.py``), per server GPU, judged against the same card: vLLM takes
+``gpu_memory_utilization`` x the card (``--rollout.gpu-memory-utilization``; left at its colocated default, 0.35, it
+is planned at serve_rollout.py's default, ``SERVE_ROLLOUT_UTILIZATION`` = 0.9), holding the weights divided by the
+tensor-parallel size T (``--rollout.server-tensor-parallel``, serve_rollout.py's ``--tp``; bf16 unless
+``--rollout.vllm-dtype float32``) and a KV cache in the rest. A server fits when its weights / T, the KV cache of one
+``max_model_len`` sequence (2 x layers x ceil(KV heads / T) x head_dim x 2 bytes x tokens: a KV head is replicated
+when T exceeds them) and ``CUDA_OVERHEAD_GB`` (assumed: CUDA context, graphs, vLLM's profiling activations) fit in
+that share. The plan's verdict requires both sides to fit; its GB per GPU are the trainer GPUs'.
 """
 
 from __future__ import annotations
@@ -57,6 +69,7 @@ from pathlib import Path
 
 import torch
 
+from common.engine_base import RolloutConfig
 from common.logprobs import LOGPROB_CHUNK
 from common.packing import attention_implementation
 
@@ -64,6 +77,8 @@ GB = 1e9  # the planner's unit: decimal gigabytes
 DEFAULT_GPU_GB = 80.0  # the card a plan is judged against when no GPU is seen and --dry-run-gpu-gb is 0
 VLLM_ASLEEP_GB = 2.0  # assumed: what a level-1-asleep vLLM engine keeps on the GPU (CUDA graphs, workspaces)
 CUDA_OVERHEAD_GB = 1.0  # CUDA context, cuBLAS / NCCL workspaces, allocator slack
+SERVE_ROLLOUT_UTILIZATION = 0.9  # scripts/serve_rollout.py's --gpu-memory-utilization default
+NCCL_PUSH_BYTES = 2 * 1024**3  # vLLM's packed NCCL weight broadcast: 2 buffers of 1 GiB on the sending trainer rank
 MODEL_CONFIGS = Path(__file__).resolve().parent / "model_configs"
 # hub ids whose architecture a folder of common/model_configs holds (config.json only: the planner needs no weights)
 LOCAL_CONFIGS = {
@@ -202,6 +217,55 @@ def planned_attention(packed: bool) -> str:
     return attention_implementation("cuda", packed=packed)
 
 
+@dataclass(frozen=True)
+class ServerPlan:
+    """One rollout server GPU (``--rollout.backend vllm-server``): vLLM's share of the card holds the weights / T and
+    a KV cache; it fits when the weights, one ``max_model_len`` sequence's KV cache and ``CUDA_OVERHEAD_GB`` do."""
+
+    tensor_parallel: int
+    utilization: float
+    card: float  # bytes
+    weights: float  # bytes per GPU: the weights / tensor_parallel
+    kv_per_sequence: float  # bytes per GPU of one max_model_len sequence's keys and values
+    max_model_len: int
+
+    @property
+    def share(self) -> float:
+        return self.utilization * self.card
+
+    @property
+    def needs(self) -> float:
+        """The least the share must hold: the weights, one sequence's KV cache, context and workspaces."""
+        return self.weights + self.kv_per_sequence + CUDA_OVERHEAD_GB * GB
+
+    @property
+    def sequences(self) -> int:
+        """Max-length sequences the KV cache holds at once (vLLM fills the share's rest with KV blocks)."""
+        return max(0, int((self.share - self.weights - CUDA_OVERHEAD_GB * GB) // self.kv_per_sequence))
+
+    @property
+    def fits(self) -> bool:
+        return self.needs <= self.share
+
+    @property
+    def components(self) -> list[tuple[str, float]]:
+        t, n = self.tensor_parallel, self.max_model_len
+        kv = self.sequences * self.kv_per_sequence
+        return [
+            (f"weights / {t} (tensor parallel {t})", self.weights),
+            (f"KV cache of one {n}-token sequence", self.kv_per_sequence),
+            ("CUDA context, graphs and vLLM's activations (assumed)", CUDA_OVERHEAD_GB * GB),
+            (f"KV cache the share holds: {self.sequences} sequences of {n} tokens at once", kv),
+        ]
+
+    @property
+    def verdict(self) -> str:
+        card, share = f"{self.card / GB:.0f} GB", f"{self.share / GB:.1f} GB per GPU"
+        if self.fits:
+            return f"fits on {card}: {share}"
+        return f"does not fit on {card}: {self.needs / GB:.1f} GB needed in a share of {share}"
+
+
 @dataclass
 class MemoryPlan:
     """A per-GPU plan: components in bytes, the peak, the card, the verdict and the flags that would make it fit."""
@@ -219,15 +283,22 @@ class MemoryPlan:
     engine_weights: float = 0.0  # a colocated vLLM's bf16 weights (tensor parallel 1: the whole model per GPU)
     engine_share: float = 0.0  # the card's share vLLM takes (0 for the HF engine)
     no_colocation: bool = False  # no vLLM share holds its weights and leaves the trainer room (suggest_fixes)
+    server: ServerPlan | None = None  # a rollout server's GPU (--rollout.backend vllm-server)
 
     @property
     def peak(self) -> float:
         return max(self.rollout_peak, self.update_peak)
 
     @property
-    def fits(self) -> bool:
+    def trainer_fits(self) -> bool:
+        """The trainer's GPUs alone (a colocated vLLM engine included)."""
         engine_holds_weights = not self.engine_share or self.engine_weights + GB <= self.engine_share
         return self.peak <= self.card and engine_holds_weights
+
+    @property
+    def fits(self) -> bool:
+        """The trainer's GPUs and, with rollout servers, theirs."""
+        return self.trainer_fits and (self.server is None or self.server.fits)
 
     @property
     def needs_sharding(self) -> bool:
@@ -258,10 +329,27 @@ def trained_models(args) -> tuple[int, bool]:
 def resolve_backend(args, on_gpu: bool) -> str:
     """The rollout engine the planned run builds. 'auto': on a CUDA machine, vLLM where vllm is installed
     (requirements-gpu.txt), else the HF engine; planned from a machine without a GPU (``--dry-run`` on a laptop),
-    the GPU install's vLLM."""
+    the GPU install's vLLM. 'vllm-server' and the others as given."""
     if args.rollout.backend != "auto":
         return args.rollout.backend
     return "vllm" if not on_gpu or importlib.util.find_spec("vllm") is not None else "hf"
+
+
+def server_utilization(args) -> float:
+    """The rollout servers' share of their GPUs: ``--rollout.gpu-memory-utilization``, or serve_rollout.py's default
+    (0.9) while that flag holds its colocated default (0.35), which no server started by serve_rollout.py uses."""
+    util = args.rollout.gpu_memory_utilization
+    return SERVE_ROLLOUT_UTILIZATION if util == RolloutConfig.gpu_memory_utilization else util
+
+
+def plan_server(args, shape: ModelShape, max_model_len: int, card_gb: float) -> ServerPlan:
+    """One rollout server GPU's plan: the weights (bf16, or fp32 under ``--rollout.vllm-dtype float32``) and the KV
+    cache per GPU at ``--rollout.server-tensor-parallel`` T, for sequences of ``max_model_len`` tokens."""
+    t = args.rollout.server_tensor_parallel
+    wbytes = 4 if args.rollout.vllm_dtype == "float32" else 2
+    kv_heads = -(-shape.kv_heads // t)  # each GPU holds ceil(kv_heads / T) heads: replicated when T exceeds them
+    kv = 2 * shape.layers * kv_heads * shape.head_dim * wbytes * max_model_len
+    return ServerPlan(t, server_utilization(args), card_gb * GB, wbytes * shape.params / t, kv, max_model_len)
 
 
 def plan_memory(
@@ -276,7 +364,8 @@ def plan_memory(
     """The per-GPU plan of a run of ``args`` (a script's Args) on ``world`` processes, judged against ``card_gb``.
 
     ``max_model_len`` is the run's padded length (``context_budget``: prompt budget + token budget);
-    ``backend`` the rollout engine ('vllm' or 'hf'; None resolves ``--rollout.backend``).
+    ``backend`` the rollout engine ('vllm', 'vllm-server' or 'hf'; None resolves ``--rollout.backend``);
+    'vllm-server' adds the plan of a server GPU (``plan_server``), judged against the same card.
     """
     shape = model_shape(model_path)
     backend = backend or resolve_backend(args, torch.cuda.is_available())
@@ -337,6 +426,11 @@ def plan_memory(
         if args.rollout.enable_sleep_mode:
             components.append(("vLLM asleep during the update (assumed)", asleep))
         rollout_engine, update_engine = share, asleep
+    elif backend == "vllm-server":  # the servers hold their own GPUs; the trainer's only send them the weights
+        gathered = shape.vocab * shape.hidden * wbytes if fsdp else 0.0  # full_tensor() of the largest: the embedding
+        what = "2 x 1 GiB NCCL buffers" + (" + the largest gathered tensor" if fsdp else "")
+        components.append((f"weight push to the rollout servers (rank 0: {what})", NCCL_PUSH_BYTES + gathered))
+        rollout_engine, update_engine = NCCL_PUSH_BYTES + gathered, 0.0
     else:
         decoded = min(max(1, args.rollout.hf_max_batch // args.group_size), args.prompts_per_step // world)
         kv = decoded * args.group_size * max_model_len * shape.layers * 2 * shape.kv_heads * shape.head_dim * wbytes
@@ -366,6 +460,7 @@ def plan_memory(
         fsdp=fsdp,
         engine_weights=engine_weights,
         engine_share=engine_share,
+        server=plan_server(args, shape, max_model_len, card_gb) if backend == "vllm-server" else None,
     )
     if with_fixes and not plan.fits:
         plan.fixes = suggest_fixes(args, model_path, max_model_len, world, card_gb, backend, plan)
@@ -376,7 +471,28 @@ def suggest_fixes(args, model_path, max_model_len, world, card_gb, backend, plan
     """Flag sets that make a failing plan fit (fewest changes first, packing first, then the largest micro-batch,
     ``--fsdp`` last when several processes run unsharded), or sharding. Packing's token budgets
     (``--micro-batch-tokens``) are the smallest power of two that holds the longest sequence (prompt budget +
-    ``--max-new-tokens``) and its doublings; a packed run is offered smaller budgets, down to the longest sequence."""
+    ``--max-new-tokens``) and its doublings; a packed run is offered smaller budgets, down to the longest sequence.
+    A rollout server that does not fit is offered the smallest larger tensor-parallel size that does (up to 8, one
+    node), appended to each of the trainer's flag sets."""
+    if plan.needs_sharding or plan.server is None or plan.server.fits:
+        return trainer_fixes(args, model_path, max_model_len, world, card_gb, backend, plan)
+    shape = model_shape(model_path)
+    larger = [t for t in (2, 4, 8) if t > plan.server.tensor_parallel]
+    fit = [t for t in larger if plan_server(_with(args, server_tensor_parallel=t), shape, max_model_len, card_gb).fits]
+    if not fit:
+        return [
+            f"a rollout server cannot hold the weights and one {max_model_len}-token sequence's KV cache at tensor "
+            f"parallel up to 8 in a {plan.server.utilization:g} x {card_gb:g} GB share: a larger GPU"
+        ]
+    server_fix = _flag("server_tensor_parallel", fit[0])
+    if plan.trainer_fits:
+        return [server_fix]
+    fixes = trainer_fixes(args, model_path, max_model_len, world, card_gb, backend, plan)
+    return [f"{fix} {server_fix}" if fix.startswith("--") else fix for fix in fixes]
+
+
+def trainer_fixes(args, model_path, max_model_len, world, card_gb, backend, plan: MemoryPlan) -> list[str]:
+    """``suggest_fixes`` for the trainer's GPUs (a colocated engine included): flag sets under which they fit."""
     if plan.needs_sharding:
         return [
             f"trainer state alone ({plan.trainer_state / GB:.1f} GB per GPU) exceeds the card: FSDP2 sharding "
@@ -417,7 +533,8 @@ def suggest_fixes(args, model_path, max_model_len, world, card_gb, backend, plan
     for changes in candidates:
         if any(f.items() <= changes.items() or set(f) == set(changes) for f in found):
             continue  # a simpler (or same-flag) set already fits
-        if plan_memory(_with(args, **changes), model_path, max_model_len, world, card_gb, backend, False).fits:
+        trial = plan_memory(_with(args, **changes), model_path, max_model_len, world, card_gb, backend, False)
+        if trial.trainer_fits:
             found.append(changes)
         if len(found) == 3:
             break
@@ -447,7 +564,7 @@ def suggest_fixes(args, model_path, max_model_len, world, card_gb, backend, plan
     ]
 
 
-ROLLOUT_FIELDS = ("enable_sleep_mode", "gpu_memory_utilization", "hf_max_batch")
+ROLLOUT_FIELDS = ("enable_sleep_mode", "gpu_memory_utilization", "hf_max_batch", "server_tensor_parallel")
 
 
 def _flag(name: str, value) -> str:
@@ -462,11 +579,19 @@ def _with(args, **changes):
 
 
 def format_plan(plan: MemoryPlan) -> str:
-    """The table ``--dry-run`` prints: one line per component in GB, the two phases, the verdict, the fixes."""
+    """The table ``--dry-run`` prints: one line per component in GB, the two phases, a rollout server GPU's lines and
+    verdict (``--rollout.backend vllm-server``), the verdict, the fixes."""
     lines = [f"memory plan per GPU for {plan.model} ({plan.params / 1e9:.3f} B parameters)"]
     lines += [f"  {label:<72} {b / GB:8.1f} GB" for label, b in plan.components]
     lines.append(f"  {'peak while sampling':<72} {plan.rollout_peak / GB:8.1f} GB")
     lines.append(f"  {'peak during the update':<72} {plan.update_peak / GB:8.1f} GB")
+    if plan.server is not None:
+        server = plan.server
+        lines.append(f"rollout server GPUs (scripts/serve_rollout.py --tp {server.tensor_parallel}), each:")
+        lines += [f"  {label:<72} {b / GB:8.1f} GB" for label, b in server.components]
+        share = f"vLLM share ({server.utilization:g} x {server.card / GB:g} GB)"
+        lines.append(f"  {share:<72} {server.share / GB:8.1f} GB")
+        lines.append(f"rollout servers: {server.verdict}")
     lines.append(f"planner: {plan.verdict}")
     lines += [f"  would fit with: {fix}" for fix in plan.fixes]
     return "\n".join(lines)
@@ -483,8 +608,9 @@ def gpu_gb(args) -> float:
 
 def check_memory_plan(args, model_path: str, max_model_len: int, world: int, on_gpu: bool, print_fn=print) -> None:
     """``--dry-run``: print the plan and exit 0. A CUDA run whose plan does not fit stops here, before any weights
-    load, naming the flags that would make it fit (``--ignore-memory-plan`` lets it go on). CPU runs are not
-    planned (host memory is not what this guards) and cost nothing here."""
+    load, naming the flags that would make it fit (``--ignore-memory-plan`` lets it go on); with rollout servers only
+    its own GPUs can stop it (the servers are running already, whatever their plan says). CPU runs are not planned
+    (host memory is not what this guards) and cost nothing here."""
     if not args.dry_run and not on_gpu:
         return
     backend = resolve_backend(args, torch.cuda.is_available())
@@ -492,7 +618,7 @@ def check_memory_plan(args, model_path: str, max_model_len: int, world: int, on_
     if args.dry_run:
         print_fn(format_plan(plan))
         raise SystemExit(0)
-    if not plan.fits and not args.ignore_memory_plan:
+    if not (plan.trainer_fits if plan.server else plan.fits) and not args.ignore_memory_plan:
         raise SystemExit(
             format_plan(plan) + "\nthe plan does not fit this GPU: change the flags above, or pass "
             "--ignore-memory-plan to run anyway"

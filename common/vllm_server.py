@@ -49,6 +49,7 @@ import torch
 
 from common.engine_base import Completion, RolloutConfig, prompt_seeds, stop_token_ids
 from common.logprobs import unwrap_model
+from common.vllm_engine import _hf_named_weights
 
 
 class RolloutServerError(RuntimeError):
@@ -275,12 +276,9 @@ class VLLMServerEngine:
 
         dtype = getattr(torch, str(self.infos[url]["model_config"].get("dtype", "float32")).replace("torch.", ""))
         tensors = {}
-        for name, param in inner.named_parameters():
-            tensor = param.detach()
-            if hasattr(tensor, "full_tensor"):  # an FSDP2 shard: a collective, every rank in the same order
-                tensor = tensor.full_tensor()
-            if self.rank == 0 and name not in tensors:
-                tensors[name] = tensor.to(dtype).contiguous().clone()
+        for name, tensor in _hf_named_weights(inner, dtype):  # FSDP2 shards gathered: every rank, in the same order
+            if self.rank == 0:
+                tensors[name] = tensor.contiguous().clone()
         if self.rank != 0:
             return
         tied = getattr(inner.config.get_text_config(), "tie_word_embeddings", False)

@@ -174,6 +174,7 @@ def test_auto_must_be_resolved_first():
     "rollout, expected",
     [
         (RolloutConfig(backend="vllm"), "token_truncate"),  # another program samples
+        (RolloutConfig(backend="vllm-server"), "token_truncate"),  # another program, in another process
         (RolloutConfig(backend="hf", logit_noise=0.5), "token_truncate"),  # a perturbed sampler
         (RolloutConfig(backend="hf"), "none"),  # the trained module samples
     ],

@@ -259,16 +259,27 @@ def annotated_commands(lines: list[str]) -> list[tuple[str | None, str]]:
 
 
 def processes(tokens: list[str]) -> int:
-    """Processes an ``accelerate launch`` command starts (--num_processes, or its --config_file's), else 1."""
+    """Processes an ``accelerate launch`` command starts: --num_processes (which overrides the config file's
+    wherever it stands), else its --config_file's, else 1."""
     if tokens[:2] != ["accelerate", "launch"]:
         return 1
-    for flag, value in zip(tokens, tokens[1:]):
-        if flag == "--num_processes":
-            return int(value)
-        if flag == "--config_file":
-            match = re.search(r"^num_processes:\s*(\d+)", (REPO / value).read_text(), flags=re.M)
-            return int(match.group(1)) if match else 1
+    flags = dict(zip(tokens, tokens[1:]))
+    if "--num_processes" in flags:
+        return int(flags["--num_processes"])
+    if "--config_file" in flags:
+        match = re.search(r"^num_processes:\s*(\d+)", (REPO / flags["--config_file"]).read_text(), flags=re.M)
+        return int(match.group(1)) if match else 1
     return 1
+
+
+def test_processes_take_num_processes_over_the_config_files_wherever_it_stands():
+    config = "accelerate launch --config_file scripts/accelerate/multi_node.yaml"
+    assert processes(shlex.split(f"{config} --machine_rank 0 algos/dapo.py")) == 16
+    assert processes(shlex.split(f"{config} --num_machines 8 --num_processes 64 algos/dapo.py")) == 64
+    assert (
+        processes(shlex.split("accelerate launch --num_processes 4 --config_file scripts/accelerate/fsdp2.yaml")) == 4
+    )
+    assert processes(shlex.split("python algos/grpo.py --fsdp")) == 1
 
 
 def gpu_run(command: str):

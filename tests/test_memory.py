@@ -120,6 +120,82 @@ def test_fsdp_divides_the_state_and_offload_moves_it_off_the_gpu():
     assert big.verdict.startswith("vLLM cannot colocate on 80 GB") and "tensor-parallel" in big.fixes[0]
 
 
+# Rollout servers (--rollout.backend vllm-server), Qwen2.5-7B by hand: P = 7,615,616,512; 28 layers, 4 KV heads of
+# 128; vocabulary 152064 x hidden 3584. A server GPU at tensor parallel 2 holds 2P / 2 = 7.62 GB of bf16 weights and
+# 2 (K, V) x 28 x 4/2 heads x 128 x 2 bytes = 28,672 bytes of KV per token: 117,440,512 for a 4096-token sequence.
+SEVEN_B = str(MODEL_CONFIGS / "qwen2.5-7b")
+THIRTY_TWO_B = str(MODEL_CONFIGS / "qwen2.5-32b")
+
+
+def server_args(*flags):
+    return grpo_args("--rollout.backend", "vllm-server", "--rollout.server-urls", "http://127.0.0.1:8000", *flags)
+
+
+def test_a_server_run_plans_no_engine_on_the_trainer_and_both_sides_by_hand():
+    """Trainer GPUs: the colocated plan less vLLM's share, plus rank 0's weight push (vLLM's two 1 GiB packed NCCL
+    buffers and, under --fsdp, the gathered embedding in fp32: 152064 x 3584 x 4 bytes). Server GPUs: 2P / T of
+    weights and the KV cache in 0.9 x 80 GB (serve_rollout.py's share while the flag keeps its colocated 0.35)."""
+    flags = ("--fsdp", "--gradient-checkpointing", "--micro-batch-tokens", "8192", "--rollout.server-tensor-parallel")
+    args = server_args(*flags, "2")
+    plan = plan_memory(args, SEVEN_B, 4096, world=4, card_gb=80.0, backend=None)  # resolved from --rollout.backend
+    colocated = plan_memory(args, SEVEN_B, 4096, world=4, card_gb=80.0, backend="vllm")
+    parts = components(plan)
+    p = 7_615_616_512
+    assert "vLLM share" not in parts and "HF engine KV cache" not in parts and plan.engine_share == 0
+    assert parts["weights"] + parts["gradients"] + parts["AdamW moments"] == pytest.approx(16 * p / 4 / GB)
+    push = 2 * 1024**3 + 152064 * 3584 * 4
+    assert parts["weight push to the rollout servers"] == pytest.approx(push / GB)
+    share = 0.35 * 80 * GB  # what the colocated plan adds while sampling and, awake, during the update
+    assert plan.update_peak == pytest.approx(colocated.update_peak - share)
+    assert plan.rollout_peak == pytest.approx(colocated.rollout_peak - share + push)
+    server = plan.server
+    assert server.tensor_parallel == 2 and server.utilization == 0.9 and server.share == pytest.approx(72 * GB)
+    assert server.weights == pytest.approx(2 * p / 2)
+    assert 2 * 28 * (4 // 2) * 128 * 2 * 4096 == 117_440_512
+    assert server.kv_per_sequence == 117_440_512
+    assert server.sequences == (72 * 10**9 - p - 10**9) // 117_440_512 == 539
+    assert server.fits and plan.fits and plan.verdict.startswith("fits on 80 GB")
+    text = memory.format_plan(plan)
+    assert "rollout server GPUs (scripts/serve_rollout.py --tp 2)" in text and "539 sequences of 4096 tokens" in text
+    assert "rollout servers: fits on 80 GB: 72.0 GB per GPU" in text
+    assert text.splitlines()[-1] == f"planner: {plan.verdict}"  # the overall verdict stays the last line
+    # another share: the flag, once changed, is the servers'; tensor parallel 8 > 4 KV heads: each GPU keeps one head
+    other = plan_memory(server_args("--rollout.gpu-memory-utilization", "0.5"), SEVEN_B, 4096, 4, 80.0).server
+    assert other.share == pytest.approx(40 * GB) and other.tensor_parallel == 1
+    eight = plan_memory(server_args("--rollout.server-tensor-parallel", "8"), SEVEN_B, 4096, 4, 80.0).server
+    assert eight.weights == pytest.approx(2 * p / 8) and eight.kv_per_sequence == 2 * 28 * 1 * 128 * 2 * 4096
+
+
+def test_the_servers_default_share_is_serve_rollouts():
+    """Left at its colocated default the flag plans the servers at scripts/serve_rollout.py's own default."""
+    source = (REPO / "scripts" / "serve_rollout.py").read_text()
+    assert f'"--gpu-memory-utilization", type=float, default={memory.SERVE_ROLLOUT_UTILIZATION}' in source
+    assert memory.server_utilization(server_args()) == memory.SERVE_ROLLOUT_UTILIZATION == 0.9
+    assert memory.server_utilization(server_args("--rollout.gpu-memory-utilization", "0.8")) == 0.8
+
+
+def test_a_server_that_cannot_hold_its_weights_fails_the_plan_and_is_offered_more_tensor_parallelism():
+    """Qwen2.5-32B in a 0.5 x 80 = 40 GB share: at T = 1 its 65.5 GB of bf16 weights do not fit, at T = 2 32.8 GB
+    + 2 x 64 x 4 x 128 x 2 x 4096 = 0.5 GB of KV + 1 GB do. The trainer side fits (64 processes, --fsdp, fp32), so the
+    plan fails on the servers alone; a live run stops only for its own GPUs (its servers are running already)."""
+    flags = ["--fsdp", "--mixed-precision", "no", "--gradient-checkpointing", "--micro-batch-size", "1"]
+    args = server_args(*flags, "--rollout.gpu-memory-utilization", "0.5", "--prompts-per-step", "64")
+    plan = plan_memory(args, THIRTY_TWO_B, 4096, world=64, card_gb=80.0)
+    p = model_shape(THIRTY_TWO_B).params
+    assert plan.server.weights == pytest.approx(2 * p) and 2 * p / GB > 40
+    assert plan.trainer_fits and not plan.server.fits and not plan.fits
+    assert plan.verdict.startswith("does not fit on 80 GB") and plan.fixes == ["--rollout.server-tensor-parallel 2"]
+    assert "rollout servers: does not fit on 80 GB" in memory.format_plan(plan)
+    two = plan_memory(dataclasses.replace(args, rollout=dataclasses.replace(args.rollout, server_tensor_parallel=2)),
+                      THIRTY_TWO_B, 4096, world=64, card_gb=80.0)  # fmt: skip
+    assert two.server.needs == pytest.approx(p + 2 * 64 * 4 * 128 * 2 * 4096 + GB) and two.fits
+    live = dataclasses.replace(args, model=THIRTY_TWO_B)
+    memory.check_memory_plan(live, THIRTY_TWO_B, 4096, world=64, on_gpu=True)  # no SystemExit
+    # a trainer that needs sharding is told so first, whatever its servers need
+    one = plan_memory(server_args("--rollout.gpu-memory-utilization", "0.5"), THIRTY_TWO_B, 4096, 1, 80.0)
+    assert one.needs_sharding and "FSDP2" in one.fixes[0]
+
+
 def load_activation_benchmark():
     spec = importlib.util.spec_from_file_location("activation_memory", REPO / "benchmarks" / "activation_memory.py")
     module = importlib.util.module_from_spec(spec)
