@@ -97,17 +97,15 @@ def main() -> None:
         seeds = list(range(1000, 1000 + len(prompts)))
 
         def bare() -> None:
-            def post(job):
+            def post(job):  # the engine's own requests, without its version check and parsing
                 ids, seed = job
-                payload = {"model": engine.names[url], "prompt": ids, "n": 8, "max_tokens": 40, "temperature": 1.0}
-                payload |= {"seed": seed, "logprobs": 0, "return_token_ids": True, "top_k": 0}
-                http(url, "/v1/completions", payload, 600)
+                http(url, "/v1/completions", engine.request_payload(url, ids, seed, 8, 40, 1.0, 1.0), 600)
 
             with ThreadPoolExecutor(max_workers=len(prompts)) as pool:
                 list(pool.map(post, zip(prompts, seeds)))
 
         timings = {"engine": [], "bare": []}
-        for _ in range(max(3, args.repeats)):
+        for _ in range(max(7, args.repeats)):
             for kind, fn in (("engine", lambda: engine.generate(prompts, 8, 40, 1.0, 1.0, seeds)), ("bare", bare)):
                 t0 = time.time()
                 fn()

@@ -200,22 +200,7 @@ class VLLMServerEngine:
 
         def request(job) -> list[Completion]:
             url, ids, prompt_seed = job
-            payload = {
-                "model": self.names[url],
-                "prompt": list(ids),
-                "n": 1 if greedy else n,
-                "max_tokens": max_new_tokens,
-                "temperature": 0.0 if greedy else temperature,
-                "top_p": 1.0 if greedy else top_p,
-                "top_k": 0,
-                "seed": None if greedy else prompt_seed,
-                "stop_token_ids": list(self.stop_ids),
-                "stop": list(stop) or None,
-                "include_stop_str_in_output": True,
-                "logprobs": 0,
-                "skip_special_tokens": False,
-                "return_token_ids": True,
-            }
+            payload = self.request_payload(url, ids, prompt_seed, n, max_new_tokens, temperature, top_p, stop)
             choices = sorted(http(url, "/v1/completions", payload, self.timeout)["choices"], key=lambda c: c["index"])
             samples = [self._to_completion(url, c, stop) for c in choices]
             return samples * n if greedy else samples
@@ -232,6 +217,37 @@ class VLLMServerEngine:
         if any(len(group) != n for group in groups):
             raise RolloutServerError(f"a server returned a group of other than {n} samples")
         return completions
+
+    def request_payload(
+        self,
+        url: str,
+        prompt_ids: list[int],
+        seed: int,
+        n: int,
+        max_new_tokens: int,
+        temperature: float,
+        top_p: float,
+        stop: Sequence[str] = (),
+    ) -> dict:
+        """The ``/v1/completions`` request for one prompt: the colocated engine's sampling parameters, token ids in,
+        token ids and the sampled tokens' processed log-probs out."""
+        greedy = temperature <= 0
+        return {
+            "model": self.names[url],
+            "prompt": list(prompt_ids),
+            "n": 1 if greedy else n,  # greedy copies are identical; vLLM rejects n > 1 with greedy sampling
+            "max_tokens": max_new_tokens,
+            "temperature": 0.0 if greedy else temperature,
+            "top_p": 1.0 if greedy else top_p,
+            "top_k": 0,
+            "seed": None if greedy else seed,  # per-request generator: sample j uses seed + j
+            "stop_token_ids": list(self.stop_ids),
+            "stop": list(stop) or None,
+            "include_stop_str_in_output": True,
+            "logprobs": 0,
+            "skip_special_tokens": False,
+            "return_token_ids": True,
+        }
 
     def _to_completion(self, url: str, choice: dict, stop: Sequence[str]) -> Completion:
         token_ids, finish = choice.get("token_ids"), choice.get("finish_reason")
