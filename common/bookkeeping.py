@@ -120,6 +120,7 @@ class Bookkeeper:
         self.progress = None
         self.step = 0  # the step in progress (0-based)
         self.step_start: tuple[int, object] = (0, None)  # the data cursor and RNG state when that step began
+        self.step_done = False  # the step in progress is updated, pushed and logged (only its evaluation remains)
         self.prompt_indices: list[int] = []  # training-set indices of this process's prompts from next_prompts
         run.accelerator.print(describe_protocol(task.eval_cfg, task.eval_name, task.eval_template, EVAL_SEED))
 
@@ -166,20 +167,24 @@ class Bookkeeper:
         for step in self.progress:
             self.step = step
             self.step_start = (self.cursor, rng_state())  # what a fault before this step's update gives back
+            self.step_done = False  # set once the step is logged
             yield step
 
     def checkpoint_on_fault(self, after_update: bool) -> None:
         """Checkpoint the last completed step after a rollout-server failure, so that ``--resume`` continues exactly.
 
-        Before this step's update (a failed rollout) the step's prompts and RNG draws are given back and the previous
-        step is saved (nothing, in the first step); after it (a failed weight push) the updated state is saved as
-        this step, whose metrics row is then missing from metrics.jsonl."""
-        if not after_update:
-            if self.step == 0:
-                return
-            self.cursor = self.step_start[0]
-            set_rng_state(self.step_start[1])
-        self.checkpoint(self.step + int(after_update))
+        A failed rollout before this step's update gives the step's prompts and RNG draws back and saves the previous
+        step (nothing, in the first step). A failure after the update (the weight push) saves the updated state as
+        this step, whose metrics row is then missing from metrics.jsonl; one after the step was logged (its
+        evaluation) saves this step as it was logged."""
+        if after_update or self.step_done:
+            self.checkpoint(self.step + 1)
+            return
+        if self.step == 0:
+            return
+        self.cursor = self.step_start[0]
+        set_rng_state(self.step_start[1])
+        self.checkpoint(self.step)
 
     def next_prompts(self, exclude: Collection[int] = ()) -> tuple[list[dict], list[list[int]]]:
         """The next ``--prompts-per-step`` prompts of the seeded stream: this process's contiguous share (whole
@@ -232,6 +237,7 @@ class Bookkeeper:
         ``metrics`` as given, each averaged over the processes that logged it, plus step time, elapsed time and peak
         memory."""
         run = self.run
+        self.step_done = True
         log = {f"train/{k}": sum(v) / len(v) for k, v in update_stats.items() if k != "skipped_updates"}
         log |= metrics
         log["train/skipped_updates"] = float(sum(update_stats.get("skipped_updates", [])))

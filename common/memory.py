@@ -211,10 +211,10 @@ def longest_sequence(args, max_model_len: int) -> int:
     return max_model_len - budget + args.max_new_tokens
 
 
-def planned_attention(packed: bool) -> str:
+def planned_attention(packed: bool, half_precision: bool = True) -> str:
     """The attention kernel a CUDA run would use (``common.packing.attention_implementation``): flash_attention_2
-    for packed micro-batches when the flash-attn package is importable on the planning machine, else sdpa."""
-    return attention_implementation("cuda", packed=packed)
+    for packed bf16 micro-batches when the flash-attn package is importable on the planning machine, else sdpa."""
+    return attention_implementation("cuda", packed=packed, half_precision=half_precision)
 
 
 @dataclass(frozen=True)
@@ -376,7 +376,7 @@ def plan_memory(
     n_trained, has_ref = trained_models(args)
     rank_rows = args.prompts_per_step // world * args.group_size  # the sequences one process trains on per step
     packed = args.micro_batch_tokens > 0
-    attention = planned_attention(packed)
+    attention = planned_attention(packed, half_precision=autocast or bf16_weights)
     if packed:  # one flat row of at most N tokens; under sdpa one N x N block-diagonal mask per layer
         tokens = min(args.micro_batch_tokens, rank_rows * max_model_len)
         mask_len = 0 if attention.startswith("flash_attention") else tokens

@@ -36,13 +36,15 @@ import torch.distributed as dist
 PACKABLE_ATTENTION = ("eager", "sdpa", "flex_attention", "flash_attention_2", "flash_attention_3")
 
 
-def attention_implementation(device_type: str, packed: bool) -> str:
+def attention_implementation(device_type: str, packed: bool, half_precision: bool = True) -> str:
     """The trainer's attention kernel. CPU: eager (sdpa's bf16 backward is several times slower there). CUDA: sdpa,
-    except packed micro-batches with the flash-attn package installed, which take flash-attention's varlen path
-    (no N x N mask); packed under sdpa or eager builds a dense block-diagonal N x N mask, which the planner counts."""
+    except packed micro-batches computed in bf16 (``half_precision``: autocast or bf16 weights; flash-attention
+    rejects fp32) with the flash-attn package installed, which take flash-attention's varlen path (no N x N mask);
+    packed under sdpa or eager builds a dense block-diagonal N x N mask, which the planner counts."""
     if device_type != "cuda":
         return "eager"
-    return "flash_attention_2" if packed and importlib.util.find_spec("flash_attn") is not None else "sdpa"
+    flash = packed and half_precision and importlib.util.find_spec("flash_attn") is not None
+    return "flash_attention_2" if flash else "sdpa"
 
 
 def first_fit_decreasing(lengths: list[int], budget: int) -> list[list[int]]:

@@ -130,7 +130,9 @@ def start_run(args) -> Run:
         device=device,
         dtype={"float32": torch.float32, "bfloat16": torch.bfloat16}.get(args.dtype, torch.float32),
         autocast=functools.partial(torch.autocast, device.type, dtype=torch.bfloat16, enabled=use_bf16),
-        attn_implementation=attention_implementation(device.type, packed=args.micro_batch_tokens > 0),
+        attn_implementation=attention_implementation(
+            device.type, packed=args.micro_batch_tokens > 0, half_precision=use_bf16 or args.dtype == "bfloat16"
+        ),
         fp32_head=use_fp32_head(args.rollout, device),
         model_path=model_path,
         run_dir=run_dir,

@@ -35,11 +35,14 @@ network (``serve_rollout.py`` does), never to a public interface.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import secrets
+import shutil
 import sys
 import tempfile
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Sequence
@@ -83,9 +86,22 @@ def http(url: str, path: str, payload: dict | None = None, timeout: float = 30.0
     return json.loads(body) if body.strip() else {}
 
 
-def how_to_start(model_path: str, url: str) -> str:
+def how_to_start(
+    model_path: str, url: str, max_model_len: int = 0, fp32_head: bool = False, dtype: str = "auto"
+) -> str:
     port = url.rsplit(":", 1)[-1].split("/")[0] if url.count(":") > 1 else "8000"
-    return f"start one with: python scripts/serve_rollout.py --model {model_path} --port {port}"
+    flags = f" --max-model-len {max_model_len}" if max_model_len else ""
+    flags += " --fp32-lm-head" if fp32_head else ""
+    flags += f" --dtype {dtype}" if dtype != "auto" else ""
+    return f"start one with: python scripts/serve_rollout.py --model {model_path} --port {port}{flags}"
+
+
+def served_model_name(url: str) -> str:
+    """The name the server serves its model under (``/v1/models``); SystemExit naming the URL when it has none."""
+    try:
+        return http(url, "/v1/models")["data"][0]["id"]
+    except (RolloutServerError, KeyError, IndexError, TypeError) as error:
+        raise SystemExit(f"rollout server {url} lists no model at /v1/models ({error})") from None
 
 
 def check_server(
@@ -96,7 +112,8 @@ def check_server(
     try:
         http(url, "/health", timeout=10)
     except RolloutServerError as error:
-        raise SystemExit(f"rollout server {url} is not reachable ({error}); {how_to_start(model_path, url)}") from None
+        hint = how_to_start(model_path, url, max_model_len, fp32_head, dtype)
+        raise SystemExit(f"rollout server {url} is not reachable ({error}); {hint}") from None
     try:
         info = http(url, "/server_info?config_format=json", timeout=30)["vllm_config"]
     except RolloutServerError as error:
@@ -137,7 +154,7 @@ def check_server(
     if wrong:
         raise SystemExit(
             f"rollout server {url} does not match this run ({'; '.join(wrong)}); restart it with the run's settings: "
-            f"{how_to_start(model_path, url)}"
+            f"{how_to_start(model_path, url, max_model_len, fp32_head, dtype)}"
         )
     return info
 
@@ -161,8 +178,23 @@ class VLLMServerEngine:
         self.infos = {
             url: check_server(url, model, model_path, max_model_len, fp32_head, cfg.vllm_dtype) for url in self.urls
         }
-        self.names = {url: http(url, "/v1/models")["data"][0]["id"] for url in self.urls}
+        self.names = {url: served_model_name(url) for url in self.urls}
         self.backends = {url: info["weight_transfer_config"]["backend"] for url, info in self.infos.items()}
+        for url, backend in self.backends.items():
+            if backend not in ("shm", "nccl"):
+                raise SystemExit(
+                    f"rollout server {url} takes weight transfer {backend!r}; this trainer sends shm or nccl"
+                )
+            if backend == "nccl" and not torch.cuda.is_available():
+                raise SystemExit(
+                    f"rollout server {url} takes NCCL weight transfer, which needs CUDA in the trainer; for a CPU "
+                    f"trainer start the server with scripts/serve_rollout.py on a CPU (shm transport)"
+                )
+            if backend == "nccl" and importlib.util.find_spec("vllm") is None:
+                raise SystemExit(
+                    f"rollout server {url} takes NCCL weight transfer, whose trainer side is vLLM's: install vllm in "
+                    "the trainer's environment (requirements-gpu.txt)"
+                )
         distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
         self.rank = torch.distributed.get_rank() if distributed else 0
         self.world = torch.distributed.get_world_size() if distributed else 1
@@ -203,7 +235,9 @@ class VLLMServerEngine:
             payload = self.request_payload(url, ids, prompt_seed, n, max_new_tokens, temperature, top_p, stop)
             choices = sorted(http(url, "/v1/completions", payload, self.timeout)["choices"], key=lambda c: c["index"])
             samples = [self._to_completion(url, c, stop) for c in choices]
-            return samples * n if greedy else samples
+            if greedy:  # one sample, copied: vLLM rejects n > 1 with greedy sampling
+                return [Completion(list(c.token_ids), list(c.logprobs), c.finish_reason) for c in samples * n]
+            return samples
 
         def sample() -> list[list[Completion]]:
             for url in self.urls:  # the weights this rollout samples from are the ones just pushed
@@ -214,8 +248,8 @@ class VLLMServerEngine:
 
         groups = self._all_ranks(sample, "sampling", after_update=False)
         completions = [c for group in groups for c in group]
-        if any(len(group) != n for group in groups):
-            raise RolloutServerError(f"a server returned a group of other than {n} samples")
+        if short := [jobs[i][0] for i, group in enumerate(groups) if len(group) != n]:
+            raise RolloutServerError(f"{short[0]} returned a group of other than {n} samples")
         return completions
 
     def request_payload(
@@ -240,6 +274,12 @@ class VLLMServerEngine:
             "temperature": 0.0 if greedy else temperature,
             "top_p": 1.0 if greedy else top_p,
             "top_k": 0,
+            # vLLM fills unset fields from the model's generation_config.json (e.g. an instruct model's
+            # repetition_penalty 1.05, which processed log-probs include); the colocated engine applies none of them
+            "min_p": 0.0,
+            "repetition_penalty": 1.0,
+            "presence_penalty": 0.0,
+            "frequency_penalty": 0.0,
             "seed": None if greedy else seed,  # per-request generator: sample j uses seed + j
             "stop_token_ids": list(self.stop_ids),
             "stop": list(stop) or None,
@@ -268,39 +308,50 @@ class VLLMServerEngine:
         Call on every rank (FSDP2 shards are gathered collectively; rank 0 sends)."""
         self.pushes += 1
         inner = unwrap_model(model)
+        shm_tensors = self._gather_for_shm(inner) if "shm" in self.backends.values() else None
 
-        def push() -> None:
+        def push() -> None:  # rank 0 drives the routes (the NCCL sender: every rank joins its gather)
             for url in self.urls:
                 if self.backends[url] == "shm":
-                    self._push_shm(url, inner)
+                    if self.rank == 0:
+                        self._push_shm(url, shm_tensors)
                 else:
                     self._push_nccl(url, inner)
             if self.rank == 0:
                 for url in self.urls:
                     http(url, "/reset_prefix_cache", {}, self.timeout)  # its KV came from the old weights
-            if self.world > 1:
-                torch.distributed.barrier()
+
+        def check() -> None:  # every rank, once rank 0 is done (the failure all-reduce in between is the barrier)
             for url in self.urls:
                 if (served := http(url, "/weight_info", timeout=self.timeout).get("weight_version")) != self.version:
                     raise RolloutServerError(f"{url} serves weight version {served!r} after the push of {self.version}")
 
         self._all_ranks(push, "the weight push", after_update=True)
+        self._all_ranks(check, "the weight push", after_update=True)
 
-    def _push_shm(self, url: str, inner: torch.nn.Module) -> None:
-        """CPU transport: every rank gathers, rank 0 writes one safetensors file in /dev/shm and drives the routes."""
-        from safetensors.torch import save_file
-
+    def _gather_for_shm(self, inner: torch.nn.Module) -> dict[str, torch.Tensor] | None:
+        """The full HF-named weights in the servers' dtype on rank 0 (None elsewhere); FSDP2 shards are gathered on
+        every rank, in the same order, so call it on every rank. A tied head is left out: the server's shm engine
+        refreshes its copy from the embedding."""
+        url = next(u for u, backend in self.backends.items() if backend == "shm")
         dtype = getattr(torch, str(self.infos[url]["model_config"].get("dtype", "float32")).replace("torch.", ""))
         tensors = {}
-        for name, tensor in _hf_named_weights(inner, dtype):  # FSDP2 shards gathered: every rank, in the same order
+        for name, tensor in _hf_named_weights(inner, dtype):
             if self.rank == 0:
                 tensors[name] = tensor.contiguous().clone()
-        if self.rank != 0:
-            return
-        tied = getattr(inner.config.get_text_config(), "tie_word_embeddings", False)
-        if tied:
-            tensors.pop("lm_head.weight", None)  # the head is the embedding; the server refreshes its packed copy
-        folder = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+        if getattr(inner.config.get_text_config(), "tie_word_embeddings", False):
+            tensors.pop("lm_head.weight", None)
+        return tensors if self.rank == 0 else None
+
+    def _push_shm(self, url: str, tensors: dict[str, torch.Tensor]) -> None:
+        """CPU transport (rank 0): one safetensors file in /dev/shm (a temporary folder on disk when /dev/shm is
+        missing or too small, e.g. Docker's default 64 MB), its path sent through the weight-update routes."""
+        from safetensors.torch import save_file
+
+        size = sum(t.numel() * t.element_size() for t in tensors.values())
+        folder = "/dev/shm"
+        if not os.path.isdir(folder) or shutil.disk_usage(folder).free < 1.2 * size:
+            folder = tempfile.gettempdir()
         path = os.path.join(folder, f"rollout_weights_{self.nonce}_{os.getpid()}.safetensors")
         try:
             save_file(tensors, path)
@@ -344,7 +395,7 @@ class VLLMServerEngine:
         result, error = None, None
         try:
             result = fn()
-        except RolloutServerError as exc:
+        except Exception as exc:  # noqa: BLE001 - any failure (HTTP, JSON, a full /dev/shm) must reach every rank
             error = exc
         failed = torch.tensor([error is not None], dtype=torch.int32)
         if self.world > 1:
@@ -353,7 +404,9 @@ class VLLMServerEngine:
         if int(failed.item()):
             if self.on_fault is not None:
                 self.on_fault(after_update)
-            reason = str(error) if error is not None else "on another process"
+            reason = "on another process" if error is None else str(error)
+            if error is not None and not isinstance(error, RolloutServerError):
+                reason = f"{type(error).__name__}: {reason}"
             raise SystemExit(
                 f"rollout server failure during {what}: {reason}. The last completed step is checkpointed: restart "
                 f"the server (python scripts/serve_rollout.py ...) and rerun with --resume"
@@ -407,6 +460,7 @@ def serve_command(
         *("--tensor-parallel-size", str(tensor_parallel), "--max-model-len", str(max_model_len)),
         *("--dtype", dtype, "--logprobs-mode", "processed_logprobs", "--seed", "0"),
         *("--hf-overrides", json.dumps({"head_dtype": "float32" if fp32_head else "model"})),
+        *("--generation-config", "vllm"),  # no sampling defaults from the checkpoint's generation_config.json
         *("--weight-transfer-config", json.dumps({"backend": "shm" if cpu else "nccl"})),
     ]
     extension = "vllm_shm_transport.ShmWorkerExtension" if cpu else "vllm_server_extension.RolloutWorkerExtension"
@@ -426,12 +480,12 @@ def start_server(command: list[str], env: dict[str, str], url: str, log_path: st
     ``url`` answers /health. Returns the ``subprocess.Popen``; on failure or timeout it is stopped and RuntimeError
     names the log. Stop it with ``stop_server``."""
     import subprocess
-    import time
 
     log = open(log_path, "w")  # noqa: SIM115 - the server writes to it for its whole life
     process = subprocess.Popen(
         command, env={**os.environ, **env}, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
     )
+    process.log_file = log
     deadline = time.time() + timeout
     while time.time() < deadline:
         if process.poll() is not None:
@@ -446,18 +500,22 @@ def start_server(command: list[str], env: dict[str, str], url: str, log_path: st
 
 
 def stop_server(process, grace: float = 20) -> None:
-    """Stop a server started by ``start_server`` and everything it spawned (its process group): SIGTERM, then
-    SIGKILL after ``grace`` seconds."""
+    """Stop a server started by ``start_server`` and everything it spawned (its process group, the engine core
+    included, even when the leader has already exited): SIGTERM, then SIGKILL after ``grace`` seconds."""
     import signal
     import subprocess
 
-    if process.poll() is not None:
-        return
-    try:
-        os.killpg(process.pid, signal.SIGTERM)
-        process.wait(timeout=grace)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        process.wait()
-    except ProcessLookupError:
-        pass
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(process.pid, sig)
+        except ProcessLookupError:
+            break  # the whole group is gone
+        if sig == signal.SIGTERM:
+            try:
+                process.wait(timeout=grace)
+            except subprocess.TimeoutExpired:
+                pass
+            time.sleep(0.5)  # the group's other processes exit after their leader
+    process.wait()
+    if (log := getattr(process, "log_file", None)) is not None:
+        log.close()

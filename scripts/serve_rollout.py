@@ -17,7 +17,9 @@ stops it and everything it started).
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import signal
+import socket
 import sys
 import tempfile
 from pathlib import Path
@@ -31,6 +33,7 @@ def main() -> None:
     parser.add_argument("--model", required=True, help="hub id or local folder (the trainer's --model)")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--host", default="127.0.0.1", help="bind address: 127.0.0.1 or a private network address")
+    parser.add_argument("--allow-public-host", action="store_true", help="bind a public address anyway (unsafe)")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
     parser.add_argument("--gpus", default="", help="CUDA_VISIBLE_DEVICES for the server, e.g. 0,1")
     parser.add_argument("--max-model-len", type=int, default=4096, help=">= the run's prompt budget + max-new-tokens")
@@ -38,6 +41,13 @@ def main() -> None:
     parser.add_argument("--fp32-lm-head", action="store_true", help="as the run's --rollout.fp32-lm-head")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     args = parser.parse_args()
+    address = ipaddress.ip_address(socket.gethostbyname(args.host))
+    if not (address.is_loopback or address.is_private) and not args.allow_public_host:
+        raise SystemExit(
+            f"--host {args.host} ({address}) is not a loopback or private address: dev mode exposes /collective_rpc "
+            "and the weight-update routes, which run code and read files on the server. Bind 127.0.0.1 or a private "
+            "network address (or pass --allow-public-host behind a firewall)"
+        )
     command, env = serve_command(
         args.model,
         args.port,

@@ -38,6 +38,7 @@ class StubServer:
             "dtype": "torch.float32",
         }
         self.version, self.delay, self.requests, self.pushed = "default", delay, [], []
+        self.broken = ""  # a route that answers 500
         stub = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -67,6 +68,8 @@ class StubServer:
 
             def do_POST(self):
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])) or b"{}")
+                if self.path == stub.broken:
+                    return self.send_error(500, "broken on purpose")
                 if self.path == "/collective_rpc":
                     return self.answer({"results": [stub.signature]})
                 if self.path == "/v1/completions":
@@ -141,6 +144,8 @@ def test_whole_groups_go_to_one_server_in_contiguous_shares(stubs, tiny):
     assert (request["n"], request["seed"], request["temperature"], request["max_tokens"]) == (3, 100, 0.7, 8)
     assert request["stop"] == [";"] and request["return_token_ids"] and request["logprobs"] == 0
     assert 2 in request["stop_token_ids"]
+    # set explicitly: the server would otherwise fill them from the checkpoint's generation_config.json
+    assert (request["repetition_penalty"], request["min_p"], request["presence_penalty"]) == (1.0, 0.0, 0.0)
     # in prompt order, each group's samples in index order
     assert [c.token_ids for c in out] == [[10 + i, j, 2] for i in range(5) for j in range(3)]
     assert out[4].logprobs == pytest.approx([-0.1] * 3) and {c.finish_reason for c in out} == {"stop"}
@@ -189,3 +194,13 @@ def test_a_wrong_weight_version_or_a_hung_server_checkpoints_then_stops(stubs, t
     with pytest.raises(SystemExit, match=f"{stubs[0].url}/v1/completions failed.*--resume"):
         eng.generate([[1, 2], [3, 4]], 2, 4, 1.0, 1.0, [7, 8])
     assert faults == [False, False]
+
+
+def test_a_failed_push_checkpoints_the_updated_step_then_stops(stubs, tiny):
+    eng = engine([s.url for s in stubs], tiny)
+    faults = []
+    eng.on_fault = faults.append
+    stubs[1].broken = "/finish_weight_update"
+    with pytest.raises(SystemExit, match=f"during the weight push: {stubs[1].url}/finish_weight_update answered 500"):
+        eng.update_weights(tiny[0])
+    assert faults == [True]  # after the step's update: the updated state is the checkpoint
