@@ -266,7 +266,9 @@ def test_packed_mask_is_quadratic_in_the_budget_under_sdpa_and_absent_under_flas
     recomputed: 3N². The plan's activation line names the kernel it assumes."""
 
     def plan(n, attention):
-        monkeypatch.setattr(memory, "planned_attention", lambda packed: attention if packed else "sdpa")
+        monkeypatch.setattr(
+            memory, "planned_attention", lambda packed, half_precision=True: attention if packed else "sdpa"
+        )
         return plan_memory(packed_args("--micro-batch-tokens", str(n)), MATH_15B, 3512, backend="vllm")
 
     for n in (4096, 8192):
