@@ -64,7 +64,8 @@ def main() -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from common.engine_base import RolloutConfig
-    from common.vllm_server import VLLMServerEngine, http, serve_command, start_server, stop_server
+    from common.vllm_launch import serve_command, start_server, stop_server
+    from common.vllm_server import VLLMServerEngine, http
 
     started = time.time()
     tiny = str(REPO / "common" / "tiny_model")

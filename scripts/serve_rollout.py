@@ -25,7 +25,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from common.vllm_server import serve_command, start_server, stop_server  # noqa: E402
+from common.vllm_launch import serve_command, start_server, stop_server  # noqa: E402
 
 
 def main() -> None:

