@@ -14,8 +14,10 @@ Nothing algorithmic lives here: the scripts compute every loss, advantage and al
 
 from __future__ import annotations
 
+import atexit
 import json
 import math
+import os
 import resource
 import signal
 import sys
@@ -324,7 +326,8 @@ class Bookkeeper:
         run.accelerator.wait_for_everyone()
 
     def finish(self, raw_model: torch.nn.Module) -> None:
-        """Save the final policy and tokenizer (Hugging Face format) and print the ``SUMMARY`` line."""
+        """Save the final policy and tokenizer (Hugging Face format) and print the ``SUMMARY`` line; on several
+        processes, end the process (``exit_distributed``)."""
         run, args = self.run, self.args
         save_pretrained_full(raw_model, run.run_dir / "final", run.is_main)  # gathered from every process
         if run.is_main:
@@ -339,11 +342,23 @@ class Bookkeeper:
             }
             print("SUMMARY " + json.dumps(summary))
         self.tracker.close()
-        # an orderly exit: a process that leaves with a live gloo/NCCL group while another still writes can abort in
-        # teardown ("terminate called without an active exception"), and the launcher then kills the writer
         if run.world > 1:
-            run.accelerator.wait_for_everyone()
-            torch.distributed.destroy_process_group()
+            exit_distributed(run)
+
+
+def exit_distributed(run: Run) -> None:
+    """End a multi-process run's process with exit code 0 once every process has finished writing.
+
+    The process group is destroyed after a barrier, the ``atexit`` handlers run (worker pools, engines, wandb) while the
+    interpreter is whole, then the process leaves without interpreter teardown: there, gloo's C++ threads can still
+    abort a finished run ("terminate called without an active exception": twice in our clean-clone CI runs), and the
+    launcher then reports the whole run as failed and kills the other processes."""
+    run.accelerator.wait_for_everyone()
+    torch.distributed.destroy_process_group()
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def sample_rows(
