@@ -60,6 +60,7 @@ import torch
 import tyro
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from common.async_rollout import LaggedRollouts  # noqa: E402
 from common.bookkeeping import Bookkeeper, pack_rollout, rollout_stats, sample_rows  # noqa: E402
 from common.correction import CorrectionConfig, correction_weights, resolve_correction  # noqa: E402
 from common.evaluate import EvalConfig  # noqa: E402
@@ -121,6 +122,8 @@ class Args:
     """rollout engine settings"""
     correction: CorrectionConfig = field(default_factory=CorrectionConfig)
     """importance weights for the sampler/trainer gap on the policy-gradient term (common/correction.py)"""
+    max_lag: int = 1
+    """asynchronous RL: batch s is sampled by policy version max(0, s-k+1), k = max_lag (1 = synchronous)"""
     # optimisation
     learning_rate: float | None = None
     """AdamW learning rate (None = 1e-4 for the tiny model; required for any other model, ~1e-6 at 1.5B-7B)"""
@@ -279,7 +282,9 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> float:
 def main() -> None:
     args = tyro.cli(Args)
     run = start_run(args)  # flags checked, processes started, precision chosen, run folder claimed, seeded
-    args.correction = resolve_correction(args.correction, args.rollout)  # 'auto': on when the sampler is not the model
+    # 'auto': on when the sampler is not the model (vLLM, or a lagging policy version). ALGO LOGIC: under lag this is
+    # AReaL's decoupled PPO: the clip is taken around the recomputed π_old, the weight π_old/μ corrects the behaviour
+    args.correction = resolve_correction(args.correction, args.rollout, max_lag=args.max_lag)
     accelerator, device, autocast = run.accelerator, run.device, run.autocast
     compute_advantages(torch.zeros(2 * args.group_size), args.group_size)  # fail fast on a group size it rejects
     task = load_task(args)
@@ -298,6 +303,23 @@ def main() -> None:
         run, args, tokenizer, task, engine, {"model": raw_model, "optimizer": optimizer, "scheduler": scheduler}
     )
 
+    def sample(step: int, round_idx: int = 0):
+        """Round ``round_idx`` of batch ``step``: this process's share of the seeded, resumable prompt stream, and G
+        samples per prompt."""
+        problems, prompt_ids = books.next_prompts()
+        # one seed per prompt from its global position (step, round, prompt): the same samples on any number of
+        # processes and after a resume
+        first_prompt = ((args.seed * 1_000_003 + step) * args.max_sampling_rounds + round_idx) * args.prompts_per_step
+        first_prompt += run.rank * run.local_prompts
+        seeds = [(first_prompt + i) * args.group_size for i in range(run.local_prompts)]
+        request = rollouts.request(
+            prompt_ids, args.group_size, args.max_new_tokens, args.temperature, args.top_p, seeds, stop=task.stop
+        )
+        return problems, prompt_ids, request
+
+    # batch s comes from policy version max(0, s - max_lag + 1); rollout servers sample it while the trainer trains
+    rollouts = LaggedRollouts(books, engine, sample, args.max_lag)
+
     for step in books.steps():
         t_step = time.time()
         # ALGO LOGIC: dynamic sampling (DAPO §3.2): steps 1-3 run in rounds; only groups whose correctness is mixed
@@ -305,29 +327,13 @@ def main() -> None:
         problems, prompt_ids, completions, texts, golds, rewards, correct = [], [], [], [], [], [], []
         rollout_s, reward_s, sampled_correct, sampled_tokens = 0.0, 0.0, [], 0
         for round_idx in range(args.max_sampling_rounds if args.dynamic_sampling else 1):
-            # 1. prompts for this round: this process's share of the seeded, resumable stream
-            round_problems, round_prompt_ids = books.next_prompts()
-
-            # 2. rollout: G samples per prompt from the current policy
+            # 1-2. this round's prompts and rollouts: round 0 requested --max-lag - 1 steps ago, refills sampled now
             t0 = time.time()
-            engine.wake()
-            # one seed per prompt from its global position (step, round, prompt): the same samples on any number of
-            # processes and after a resume
-            first_prompt = (
-                (args.seed * 1_000_003 + step) * args.max_sampling_rounds + round_idx
-            ) * args.prompts_per_step
-            first_prompt += run.rank * run.local_prompts
-            seeds = [(first_prompt + i) * args.group_size for i in range(run.local_prompts)]
-            round_completions = engine.generate(
-                round_prompt_ids,
-                args.group_size,
-                args.max_new_tokens,
-                args.temperature,
-                args.top_p,
-                seeds,
-                stop=task.stop,
-            )
-            engine.sleep()
+            if round_idx == 0:
+                round_problems, round_prompt_ids, round_completions = rollouts.take(step)
+            else:
+                round_problems, round_prompt_ids, request = sample(step, round_idx)
+                round_completions = rollouts.collect(request)
             rollout_s += time.time() - t0
 
             # 3. rewards: ±1 from the verifier's correctness (eq. 7) plus the soft overlong punishment (eq. 13)
@@ -477,9 +483,9 @@ def main() -> None:
                 update_stats.setdefault("grad_norm", []).append(float(grad_norm))
         train_s = time.time() - t0
 
-        # 8. push the new weights into the rollout engine
+        # 8. push the new weights into the rollout engine (once the rollouts sampling from the old ones are done)
         t0 = time.time()
-        engine.update_weights(raw_model)
+        rollouts.update_weights(raw_model)
         weight_sync_s = time.time() - t0
 
         # 9. log, then evaluate and checkpoint on their cadence
@@ -500,7 +506,7 @@ def main() -> None:
             "time/tokens_per_s": float(sampled_tokens)
             / max(rollout_s, 1e-9),  # every round's tokens (engine throughput)
             "time/train_tokens_per_s": float(attention_mask.sum()) * args.num_epochs / max(train_s, 1e-9),
-        }
+        } | rollouts.stats
         samples = sample_rows(problems, texts, golds, rewards, args.group_size, args.log_samples)
         books.log_step(step + 1, update_stats, step_log, t_step, samples)
         books.end_step(step + 1)

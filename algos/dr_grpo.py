@@ -48,6 +48,7 @@ import torch
 import tyro
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from common.async_rollout import LaggedRollouts  # noqa: E402
 from common.bookkeeping import Bookkeeper, pack_rollout, rollout_stats, sample_rows  # noqa: E402
 from common.correction import CorrectionConfig, correction_weights, resolve_correction  # noqa: E402
 from common.evaluate import EvalConfig  # noqa: E402
@@ -109,6 +110,8 @@ class Args:
     """rollout engine settings"""
     correction: CorrectionConfig = field(default_factory=CorrectionConfig)
     """importance weights for the sampler/trainer gap on the policy-gradient term (common/correction.py)"""
+    max_lag: int = 1
+    """asynchronous RL: batch s is sampled by policy version max(0, s-k+1), k = max_lag (1 = synchronous)"""
     # optimisation
     learning_rate: float | None = None
     """AdamW learning rate (None = 1e-4 for the tiny model; required for any other model, ~1e-6 at 1.5B-7B)"""
@@ -231,7 +234,9 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> float:
 def main() -> None:
     args = tyro.cli(Args)
     run = start_run(args)  # flags checked, processes started, precision chosen, run folder claimed, seeded
-    args.correction = resolve_correction(args.correction, args.rollout)  # 'auto': on when the sampler is not the model
+    # 'auto': on when the sampler is not the model (vLLM, or a lagging policy version). ALGO LOGIC: under lag this is
+    # AReaL's decoupled PPO: the clip is taken around the recomputed π_old, the weight π_old/μ corrects the behaviour
+    args.correction = resolve_correction(args.correction, args.rollout, max_lag=args.max_lag)
     accelerator, device, autocast = run.accelerator, run.device, run.autocast
     compute_advantages(torch.zeros(2 * args.group_size), args.group_size)  # fail fast on a group size it rejects
     batch_size = run.local_prompts * args.group_size  # sequences per process per step
@@ -251,21 +256,25 @@ def main() -> None:
         run, args, tokenizer, task, engine, {"model": raw_model, "optimizer": optimizer, "scheduler": scheduler}
     )
 
-    for step in books.steps():
-        t_step = time.time()
-        # 1. prompts for this step: this process's share of the seeded, resumable stream
+    def sample(step: int):
+        """Batch ``step``: this process's share of the seeded, resumable prompt stream, and G samples per prompt."""
         problems, prompt_ids = books.next_prompts()
-
-        # 2. rollout: G samples per prompt from the current policy
-        t0 = time.time()
-        engine.wake()
         # one seed per prompt from its global position: the same samples on any number of processes and after a resume
         first_prompt = (args.seed * 1_000_003 + step) * args.prompts_per_step + run.rank * run.local_prompts
         seeds = [(first_prompt + i) * args.group_size for i in range(run.local_prompts)]
-        completions = engine.generate(
+        request = rollouts.request(
             prompt_ids, args.group_size, args.max_new_tokens, args.temperature, args.top_p, seeds, stop=task.stop
         )
-        engine.sleep()
+        return problems, prompt_ids, request
+
+    # batch s comes from policy version max(0, s - max_lag + 1); rollout servers sample it while the trainer trains
+    rollouts = LaggedRollouts(books, engine, sample, args.max_lag)
+
+    for step in books.steps():
+        t_step = time.time()
+        # 1-2. this step's prompts and rollouts (requested --max-lag - 1 steps ago)
+        t0 = time.time()
+        problems, prompt_ids, completions = rollouts.take(step)
         rollout_s = time.time() - t0
 
         # 3. rewards from the verifier
@@ -366,9 +375,9 @@ def main() -> None:
                 update_stats.setdefault("grad_norm", []).append(float(grad_norm))
         train_s = time.time() - t0
 
-        # 8. push the new weights into the rollout engine
+        # 8. push the new weights into the rollout engine (once the rollouts sampling from the old ones are done)
         t0 = time.time()
-        engine.update_weights(raw_model)
+        rollouts.update_weights(raw_model)
         weight_sync_s = time.time() - t0
 
         # 9. log, then evaluate and checkpoint on their cadence
@@ -382,7 +391,7 @@ def main() -> None:
             "time/weight_sync_s": weight_sync_s,
             "time/tokens_per_s": float(completion_mask.sum()) / max(rollout_s, 1e-9),
             "time/train_tokens_per_s": float(attention_mask.sum()) * args.num_epochs / max(train_s, 1e-9),
-        }
+        } | rollouts.stats
         samples = sample_rows(problems, texts, golds, rewards, args.group_size, args.log_samples)
         books.log_step(step + 1, update_stats, step_log, t_step, samples)
         books.end_step(step + 1)

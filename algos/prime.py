@@ -114,6 +114,8 @@ class Args:
     """rollout engine settings"""
     correction: CorrectionConfig = field(default_factory=CorrectionConfig)
     """importance weights for the sampler/trainer gap on the policy-gradient term (common/correction.py)"""
+    max_lag: int = 1
+    """asynchronous RL (batch s sampled by version max(0, s-k+1)): not for PRIME, only 1 (synchronous)"""
     # optimisation
     learning_rate: float | None = None
     """AdamW learning rate (None = 1e-4 for the tiny model; required for any other model, ~1e-6 at 1.5B-7B)"""
@@ -314,6 +316,12 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> float:
 def main() -> None:
     args = tyro.cli(Args)
     run = start_run(args)  # flags checked, processes started, precision chosen, run folder claimed, seeded
+    if args.max_lag > 1:  # ALGO LOGIC: the online filter and the implicit PRM are on-policy
+        raise SystemExit(
+            "--max-lag > 1: not for prime.py. Its online prompt filter samples refill rounds from the current policy "
+            "within a step, and its implicit PRM is trained on, and credits, the current policy's rollouts (PRIME "
+            "§3); both are defined on-policy. Use --max-lag 1"
+        )
     args.correction = resolve_correction(args.correction, args.rollout)  # 'auto': on when the sampler is not the model
     accelerator, device, autocast = run.accelerator, run.device, run.autocast
     args.prm_learning_rate = args.prm_learning_rate or 2 * args.learning_rate

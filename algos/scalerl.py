@@ -12,15 +12,15 @@ For each prompt x, sample G completions y_1..y_G from π_gen, the sampler, which
     objective     L = (1/|kept x|) Σ_x (1 / Σ_{g∈x} |y_g|) Σ_{i∈x} Σ_t ℓ_{i,t}    prompt-level: each prompt's group
                                                                                   token mean, then the mean over prompts
     curriculum    a prompt whose pass rate reaches 0.9 leaves the training pool for good  (no-positive-resampling)
-    off-policy    π_gen receives π_train's weights every k optimiser steps (PipelineRL-k, k = 8)
+    off-policy    batch s is sampled by π_train's version max(0, s - k + 1), k = 8           (PipelineRL-k)
     precision     the LM head in fp32 in the trainer and the sampler
 
 PipelineRL streams generations while the trainer steps and pushes each new policy into the generators, so a
-sample is at most k optimiser steps older than the policy that learns from it. In one process the sampler gets
-the trainer's weights only every k optimiser steps (`--max-lag`): a rollout comes from the policy as it was 0..k-1
-optimiser steps earlier (train/lag), and ρ corrects for it. The HF engine samples from its own copy of the weights
-for this (vLLM holds its own copy anyway and is simply updated less often); the weight ρ is taken against the log-probs
-the engine reported while sampling, never a recomputation, which would hide the lag. `--max-lag 1` is on-policy.
+sample is at most k - 1 weight versions older than the policy that learns from it. Here batch s is sampled by
+version max(0, s - k + 1) (`--max-lag`, common/async_rollout.py): with rollout servers the next batches generate
+while the trainer trains; with the HF or colocated vLLM engine they are sampled ahead, in place. Either way the lag
+is min(s, k - 1) weight versions (train/lag), and ρ is taken against the log-probs the engine reported while
+sampling, never a recomputation, which would hide the lag. `--max-lag 1` is on-policy.
 Held-out evaluation always sees the current policy. The paper's length control (forced "interruptions" of long
 reasoning) is not built: the tiny task never runs long, and the other scripts have no interruptions either.
 
@@ -30,8 +30,8 @@ Relative to cispo.py this file changes:
 - advantages: r - group mean, divided by the std over the whole kept batch (all processes), not per group.
 - zero-variance filtering: groups with identical rewards leave the loss and the advantage statistics (counted).
 - no-positive-resampling: prompts at pass rate >= 0.9 leave the pool for good (checkpointed with the data cursor).
-- PipelineRL-style lag: the sampler is refreshed every --max-lag optimiser steps and ρ uses its reported log-probs;
-  1 optimiser step per rollout batch (the lag makes ρ ≠ 1); the fp32 LM head is on unless --rollout.fp32-lm-head off.
+- PipelineRL-style lag: --max-lag 8 by default, and ρ uses the sampler's reported log-probs; 1 optimiser step per
+  rollout batch (the lag makes ρ ≠ 1); the fp32 LM head is on unless --rollout.fp32-lm-head off.
 - rollout correction: none on top (--correction.mode auto -> none, others refused): ρ is π_train/π_gen already.
 
 CPU, offline (the defaults: the shipped tiny model on the synthetic `arith` task):
@@ -41,7 +41,7 @@ GPU, one process (G = 16 and 48 prompts per batch as ScaleRL's 768-sample batche
     python algos/scalerl.py --model Qwen/Qwen2.5-Math-1.5B --dataset math --template qwen-math \
         --rollout.backend vllm --learning-rate 1e-6 --max-new-tokens 3000 --prompts-per-step 48 --group-size 16 \
         --micro-batch-tokens 8192 --gradient-checkpointing --max-lag 8 --eval.dataset math500 --track
-GPU, several processes (each rank its own colocated engine, refreshed on the same schedule):
+GPU, several processes (each rank its own colocated engine, on the same schedule):
     accelerate launch --num_processes 8 algos/scalerl.py <the flags above>
 """
 
@@ -59,12 +59,13 @@ import torch
 import tyro
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from common.async_rollout import LaggedRollouts  # noqa: E402
 from common.bookkeeping import Bookkeeper, pack_rollout, rollout_stats, sample_rows  # noqa: E402
 from common.correction import CorrectionConfig, correction_weights, resolve_correction  # noqa: E402
 from common.evaluate import EvalConfig  # noqa: E402
 from common.logprobs import token_logprobs, token_logprobs_batched  # noqa: E402
 from common.packing import micro_batches  # noqa: E402
-from common.rollout import HFEngine, RolloutConfig, make_engine  # noqa: E402
+from common.rollout import RolloutConfig, make_engine  # noqa: E402
 from common.runtime import load_model, load_task, load_tokenizer, start_run  # noqa: E402
 from common.verifiers import compute_rewards  # noqa: E402
 
@@ -157,7 +158,7 @@ class Args:
     eps_max: float = 5.0
     """ε_max, absolute cap on the detached IS weight (CISPO; 5.0 as TRL's ScaleRL/CISPO setting), no lower bound"""
     max_lag: int = 8
-    """k, optimiser steps between refreshes of the sampler's weights (PipelineRL-k; ScaleRL: 8; 1 = on-policy)"""
+    """k: batch s is sampled by policy version max(0, s-k+1) (PipelineRL-k; ScaleRL: 8; 1 = on-policy)"""
     retire_pass_rate: float = 0.9
     """no-positive-resampling: a prompt whose pass rate over its samples so far reaches this leaves the pool for good"""
     kl_coef: float = 0.0
@@ -275,58 +276,6 @@ class PromptPool:
         self.counts, self.retired = dict(state["counts"]), set(state["retired"])
 
 
-class LaggedSampler:
-    """PipelineRL-k in one process: ``engine`` (the rollouts) receives the policy's weights every ``max_lag``
-    optimiser steps. With the HF engine it samples from ``sampler_model``, its own copy of the weights; with vLLM (or
-    the HF engine of a sharded policy) ``sampler_model`` is None: the engine holds its own copy. As Bookkeeper's
-    engine it evaluates, and takes the weights after a resume, on the current policy (``current``: an HF engine on the
-    policy, or the one engine there is, which an evaluation therefore refreshes). Its counters are checkpointed."""
-
-    def __init__(self, engine, current, policy: torch.nn.Module, sampler_model, max_lag: int) -> None:
-        if max_lag < 1:
-            raise SystemExit(f"--max-lag must be >= 1 (1 = on-policy), got {max_lag}")
-        self.engine, self.current, self.policy, self.sampler_model = engine, current, policy, sampler_model
-        self.max_lag, self.updates, self.version = max_lag, 0, 0  # optimiser steps taken / seen by the sampler
-
-    @property
-    def lag(self) -> int:
-        """Optimiser steps the policy is ahead of the sampler's weights."""
-        return self.updates - self.version
-
-    def after_update(self, optimizer_steps: int) -> None:
-        self.updates += optimizer_steps
-        if self.lag >= self.max_lag:
-            self.refresh()
-
-    def refresh(self) -> None:
-        if self.sampler_model is not None:
-            self.sampler_model.load_state_dict(self.policy.state_dict())
-        self.engine.update_weights(self.policy)
-        self.version = self.updates
-
-    def generate(self, *args, **kwargs):
-        if self.sampler_model is None and self.lag:  # vLLM: one engine samples and evaluates
-            self.refresh()
-        return self.current.generate(*args, **kwargs)
-
-    def update_weights(self, model: torch.nn.Module) -> None:  # after a resume: vLLM gets the resumed policy
-        self.current.update_weights(model)
-        if self.sampler_model is None:
-            self.version = self.updates
-
-    def sleep(self) -> None:
-        self.current.sleep()
-
-    def wake(self) -> None:
-        self.current.wake()
-
-    def state_dict(self) -> dict:
-        return {"updates": self.updates, "version": self.version}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.updates, self.version = state["updates"], state["version"]
-
-
 def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> float:
     return ((x * mask).sum() / mask.sum().clamp(min=1)).item()
 
@@ -356,38 +305,31 @@ def main() -> None:
     # not the scheduler, which accelerate would step once per process
     model, optimizer = run.prepare(raw_model, optimizer)
     engine = make_engine(args.rollout, raw_model, tokenizer, run.model_path, args.seed + run.rank, run.max_model_len)
-    # ALGO LOGIC: the sampler lags the trainer. The HF engine gets its own copy of the weights to sample from; vLLM
-    # (and the HF engine of an --fsdp policy, which samples from a gathered copy) holds one already
-    own_copy = isinstance(engine, HFEngine) and not engine.sharded
-    sampler_model = load_model(run, frozen=True) if own_copy else None
-    rollout_engine = (
-        engine
-        if sampler_model is None
-        else HFEngine(sampler_model, tokenizer, args.rollout.hf_max_batch, args.rollout.logit_noise)
-    )
-    lagged = LaggedSampler(rollout_engine, engine, raw_model, sampler_model, args.max_lag)
     pool = PromptPool(args.retire_pass_rate)
-    state = {"model": raw_model, "optimizer": optimizer, "scheduler": scheduler, "lag": lagged, "pool": pool}
-    books = Bookkeeper(
-        run, args, tokenizer, task, lagged, state | ({"sampler": sampler_model} if sampler_model else {})
-    )
+    state = {"model": raw_model, "optimizer": optimizer, "scheduler": scheduler, "pool": pool}
+    books = Bookkeeper(run, args, tokenizer, task, engine, state)
 
-    for step in books.steps():
-        t_step = time.time()
-        # 1. prompts for this step: this process's share of the seeded, resumable stream, retired prompts passed over
+    def sample(step: int):
+        """Batch ``step``: this process's share of the seeded, resumable prompt stream, retired prompts passed over,
+        and G samples per prompt."""
         problems, prompt_ids = books.next_prompts(exclude=pool.retired)
-
-        # 2. rollout: G samples per prompt from the sampler, lagged.lag optimiser steps behind the policy
-        t0 = time.time()
-        lag = lagged.lag
-        rollout_engine.wake()
         # one seed per prompt from its global position: the same samples on any number of processes and after a resume
         first_prompt = (args.seed * 1_000_003 + step) * args.prompts_per_step + run.rank * run.local_prompts
         seeds = [(first_prompt + i) * args.group_size for i in range(run.local_prompts)]
-        completions = rollout_engine.generate(
+        request = rollouts.request(
             prompt_ids, args.group_size, args.max_new_tokens, args.temperature, args.top_p, seeds, stop=task.stop
         )
-        rollout_engine.sleep()
+        return problems, prompt_ids, request
+
+    # ALGO LOGIC: the sampler lags the trainer (PipelineRL-k): batch s comes from policy version max(0, s - k + 1);
+    # rollout servers sample it while the trainer trains
+    rollouts = LaggedRollouts(books, engine, sample, args.max_lag)
+
+    for step in books.steps():
+        t_step = time.time()
+        # 1-2. this step's prompts and rollouts, from the sampler --max-lag - 1 versions behind (fewer at the start)
+        t0 = time.time()
+        problems, prompt_ids, completions = rollouts.take(step)
         rollout_s = time.time() - t0
 
         # 3. rewards from the verifier
@@ -496,16 +438,15 @@ def main() -> None:
                 update_stats.setdefault("grad_norm", []).append(float(grad_norm))
         train_s = time.time() - t0
 
-        # 8. ALGO LOGIC: the sampler gets the new weights only once it is --max-lag optimiser steps behind
+        # 8. push the new weights into the rollout engine (once the rollouts sampling from the old ones are done)
         t0 = time.time()
-        lagged.after_update(args.num_epochs * args.num_minibatches)
+        rollouts.update_weights(raw_model)
         weight_sync_s = time.time() - t0
 
         # 9. log, then evaluate and checkpoint on their cadence
         step_log = rollout_stats(rewards, correct, completion_mask, completions, args.group_size)
         step_log |= {
             "train/lr": scheduler.get_last_lr()[0],
-            "train/lag": float(lag),
             "train/filtered_groups": float((~keep).sum()) / args.group_size,
             "train/retired_prompts": float(len(pool.retired)),
             "time/rollout_s": rollout_s,
@@ -515,7 +456,7 @@ def main() -> None:
             "time/weight_sync_s": weight_sync_s,
             "time/tokens_per_s": float(completion_mask.sum()) / max(rollout_s, 1e-9),
             "time/train_tokens_per_s": float(attention_mask.sum()) * args.num_epochs / max(train_s, 1e-9),
-        }
+        } | rollouts.stats
         samples = sample_rows(problems, texts, golds, rewards, args.group_size, args.log_samples)
         books.log_step(step + 1, update_stats, step_log, t_step, samples)
         books.end_step(step + 1)

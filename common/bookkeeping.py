@@ -131,6 +131,7 @@ class Bookkeeper:
         run, args = self.run, self.args
         if args.resume and (ckpt := latest_checkpoint(run.run_dir)) is not None:
             saved = load_checkpoint(ckpt)
+            self.start_step, self.cursor, self.train_time = saved["step"], saved["cursor"], saved["train_time"]
             restore_state(self.state, saved)  # full state dicts: each process keeps its shards (or replica)
             if not isinstance(saved["rng"], list):
                 set_rng_state(saved["rng"])
@@ -141,7 +142,6 @@ class Bookkeeper:
                     f"resuming on {run.world} process(es) a run checkpointed on {len(saved['rng'])}: each process's "
                     "RNG restarts from the seed (rollouts draw per-prompt seeds and do not depend on it)"
                 )
-            self.start_step, self.cursor, self.train_time = saved["step"], saved["cursor"], saved["train_time"]
             self.engine.update_weights(self.state["model"])
             self.tracker.truncate_after(self.start_step)
             run.accelerator.print(f"resumed from {ckpt} at step {self.start_step}")
@@ -205,10 +205,13 @@ class Bookkeeper:
             wanted = args.prompts_per_step - len(indices)
             indices += [i for i in prompt_batch(num_items, self.cursor, wanted, args.seed) if i not in exclude]
             self.cursor += wanted
-        indices = indices[run.rank * run.local_prompts : (run.rank + 1) * run.local_prompts]
-        self.prompt_indices = indices
+        return self.prompts_at(indices[run.rank * run.local_prompts : (run.rank + 1) * run.local_prompts])
+
+    def prompts_at(self, indices: list[int]) -> tuple[list[dict], list[list[int]]]:
+        """The problems and encoded prompts at these training-set indices, which become ``prompt_indices``."""
+        self.prompt_indices = list(indices)
         problems = [self.task.train_problems[i] for i in indices]
-        return problems, encode_prompts(self.tokenizer, problems, self.task.template, run.max_prompt_tokens)
+        return problems, encode_prompts(self.tokenizer, problems, self.task.template, self.run.max_prompt_tokens)
 
     def update_is_finite(self, grad_norm: torch.Tensor | float, loss: float, update_stats: dict[str, list]) -> bool:
         """Whether an optimiser step may use this gradient: a non-finite loss or gradient never reaches the weights.

@@ -100,8 +100,13 @@ def sampler_differs(rollout: RolloutConfig) -> bool:
     return backend in ("vllm", "vllm-server") or rollout.logit_noise > 0
 
 
-def resolve_correction(cfg: CorrectionConfig, rollout: RolloutConfig, own_correction: str = "") -> CorrectionConfig:
+def resolve_correction(
+    cfg: CorrectionConfig, rollout: RolloutConfig, own_correction: str = "", max_lag: int = 1
+) -> CorrectionConfig:
     """``cfg`` with 'auto' and its zero caps resolved; bad settings stop with a message naming the flag.
+
+    ``max_lag`` > 1 (asynchronous RL, ``common/async_rollout.py``): the sampler is an older policy version, so 'auto'
+    is on with any engine.
 
     ``own_correction``: non-empty when the script's loss already divides by the sampler's probabilities (its reason,
     e.g. DPPO's trust region anchored to μ): 'auto' resolves to none and any other mode is refused.
@@ -110,7 +115,7 @@ def resolve_correction(cfg: CorrectionConfig, rollout: RolloutConfig, own_correc
     if own_correction and mode not in ("auto", "none"):
         raise SystemExit(f"--correction.mode {mode}: not for this script, {own_correction}; use none (or auto)")
     if mode == "auto":
-        mode = AUTO_MODE if sampler_differs(rollout) and not own_correction else "none"
+        mode = AUTO_MODE if (sampler_differs(rollout) or max_lag > 1) and not own_correction else "none"
     if mode == "none":
         return replace(cfg, mode="none", cap=0.0, cap_low=0.0)
     default_cap, default_low = DEFAULT_CAPS[mode]

@@ -53,6 +53,7 @@ class Completion:
     token_ids: list[int]  # generated ids, the stop token / stop string's last token included when it stopped
     logprobs: list[float]  # log-prob of each generated id under the sampling distribution
     finish_reason: str  # "stop" (stop token or stop string) or "length" (hit max_new_tokens)
+    version: int = 0  # the policy version that sampled it (common/async_rollout.py): the step whose weights
 
 
 class Engine(Protocol):

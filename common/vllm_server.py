@@ -221,9 +221,27 @@ class VLLMServerEngine:
         seed: int | list[int],
         stop: Sequence[str] = (),
     ) -> list[Completion]:
-        """Sample ``n`` completions per prompt (``temperature == 0``: greedy), as ``VLLMEngine.generate``."""
+        """Sample ``n`` completions per prompt (``temperature == 0``: greedy), as ``VLLMEngine.generate``. A
+        collective: a failure on any rank checkpoints and stops every rank."""
+        args = (prompt_ids, n, max_new_tokens, temperature, top_p, seed, stop)
+        return self.all_ranks(lambda: self.sample_local(*args), "sampling", after_update=False)
+
+    def sample_local(
+        self,
+        prompt_ids: list[list[int]],
+        n: int,
+        max_new_tokens: int,
+        temperature: float,
+        top_p: float,
+        seed: int | list[int],
+        stop: Sequence[str] = (),
+        version: str | None = None,
+    ) -> list[Completion]:
+        """``generate`` on this process alone, with no collective, raising ``RolloutServerError`` on a failure: safe
+        on a background thread (``common/async_rollout.py``), whose caller then agrees on failures with
+        ``all_ranks``. ``version``: the weight version the servers must serve (the latest push)."""
         seeds = prompt_seeds(seed, len(prompt_ids))
-        greedy = temperature <= 0
+        greedy, version = temperature <= 0, version or self.version
         # contiguous shares of whole prompts (a prompt's group stays on one server)
         share = -(-len(prompt_ids) // len(self.urls)) if prompt_ids else 1
         jobs = [(self.urls[i // share], ids, s) for i, (ids, s) in enumerate(zip(prompt_ids, seeds))]
@@ -237,18 +255,14 @@ class VLLMServerEngine:
                 return [Completion(list(c.token_ids), list(c.logprobs), c.finish_reason) for c in samples * n]
             return samples
 
-        def sample() -> list[list[Completion]]:
-            for url in self.urls:  # the weights this rollout samples from are the ones just pushed
-                if (served := http(url, "/weight_info", timeout=self.timeout).get("weight_version")) != self.version:
-                    raise RolloutServerError(f"{url} serves weight version {served!r}, expected {self.version!r}")
-            with ThreadPoolExecutor(max_workers=max(1, min(64, len(jobs)))) as pool:
-                return list(pool.map(request, jobs))
-
-        groups = self._all_ranks(sample, "sampling", after_update=False)
-        completions = [c for group in groups for c in group]
+        for url in self.urls:  # the weights this rollout samples from are the ones just pushed
+            if (served := http(url, "/weight_info", timeout=self.timeout).get("weight_version")) != version:
+                raise RolloutServerError(f"{url} serves weight version {served!r}, expected {version!r}")
+        with ThreadPoolExecutor(max_workers=max(1, min(64, len(jobs)))) as pool:
+            groups = list(pool.map(request, jobs))
         if short := [jobs[i][0] for i, group in enumerate(groups) if len(group) != n]:
             raise RolloutServerError(f"{short[0]} returned a group of other than {n} samples")
-        return completions
+        return [c for group in groups for c in group]
 
     def request_payload(
         self,
@@ -324,8 +338,8 @@ class VLLMServerEngine:
                 if (served := http(url, "/weight_info", timeout=self.timeout).get("weight_version")) != self.version:
                     raise RolloutServerError(f"{url} serves weight version {served!r} after the push of {self.version}")
 
-        self._all_ranks(push, "the weight push", after_update=True)
-        self._all_ranks(check, "the weight push", after_update=True)
+        self.all_ranks(push, "the weight push", after_update=True)
+        self.all_ranks(check, "the weight push", after_update=True)
 
     def _gather_for_shm(self, inner: torch.nn.Module) -> dict[str, torch.Tensor] | None:
         """The full HF-named weights in the servers' dtype on rank 0 (None elsewhere); FSDP2 shards are gathered on
@@ -388,7 +402,7 @@ class VLLMServerEngine:
         self.nccl_senders[url].send_weights()
 
     # -------------------------------------------------------------------------------------------------- faults
-    def _all_ranks(self, fn: Callable, what: str, after_update: bool):
+    def all_ranks(self, fn: Callable, what: str, after_update: bool):
         """Run ``fn``; if it fails on any rank, every rank checkpoints (``on_fault``) and the run exits non-zero."""
         result, error = None, None
         try:

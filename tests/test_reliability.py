@@ -39,16 +39,22 @@ def wait_for_step(run_dir, step, proc, timeout=300):
     raise TimeoutError(f"step {step} not reached")
 
 
-def test_sigkill_then_resume_reproduces_the_uninterrupted_run(tmp_path):
-    run("grpo", tmp_path, "--run-name", "full", "--total-steps", "4", "--eval-every", "10")
-    proc = start(tmp_path, "--run-name", "killed", "--total-steps", "4", "--eval-every", "10")
+@pytest.mark.parametrize("max_lag", [1, 3])
+def test_sigkill_then_resume_reproduces_the_uninterrupted_run(tmp_path, max_lag):
+    """At --max-lag 3 the checkpoint holds the batches sampled ahead by older weights, which a resume cannot
+    regenerate: it must take them from the checkpoint to reproduce the run."""
+    flags = ["--total-steps", "4", "--eval-every", "10", "--max-lag", str(max_lag)]
+    run("grpo", tmp_path, "--run-name", "full", *flags)
+    proc = start(tmp_path, "--run-name", "killed", *flags)
     wait_for_step(tmp_path / "killed", 2, proc)
     proc.send_signal(signal.SIGKILL)  # no chance to clean up: at most the steps since the last checkpoint are lost
     proc.wait()
-    run("grpo", tmp_path, "--run-name", "killed", "--total-steps", "4", "--eval-every", "10", "--resume")
+    run("grpo", tmp_path, "--run-name", "killed", *flags, "--resume")
     full = [r for r in read_metrics(tmp_path / "full") if "train/reward" in r]
     resumed = [r for r in read_metrics(tmp_path / "killed") if "train/reward" in r]
     assert [r["step"] for r in resumed] == [1, 2, 3, 4]
+    # batch s (logged as step s + 1) is sampled by version max(0, s - max_lag + 1): lag min(s, max_lag - 1)
+    assert [r["train/lag_max"] for r in resumed] == [min(s, max_lag - 1) for s in range(4)]
     for a, b in zip(full, resumed):
         for key in ("train/reward", "train/accuracy", "train/response_len"):
             assert a[key] == b[key], (a["step"], key)

@@ -201,3 +201,40 @@ def test_a_failed_push_checkpoints_the_updated_step_then_stops(stubs, tiny):
     with pytest.raises(SystemExit, match=f"during the weight push: {stubs[1].url}/finish_weight_update answered 500"):
         eng.update_weights(tiny[0])
     assert faults == [True]  # after the step's update: the updated state is the checkpoint
+
+
+@pytest.mark.parametrize("max_lag", [1, 2])
+def test_with_lag_the_next_batch_samples_on_the_servers_while_the_trainer_trains(stubs, tiny, max_lag):
+    """Each request takes 0.4 s on a server and each step trains for 0.4 s: at --max-lag 2 the next batch's generation
+    runs during the training (overlap measured from the request's own interval), at 1 the trainer waits for all of
+    it. Every batch is sampled by the weights it was requested under, and a push waits for the request in flight."""
+    from types import SimpleNamespace
+
+    from common.async_rollout import LaggedRollouts
+
+    eng = engine([stubs[0].url], tiny)
+    stubs[0].delay = 0.4
+    books = SimpleNamespace(cursor=0, prompt_indices=[], state={}, run=SimpleNamespace(world=1, rank=0))
+    versions = []
+
+    def sample(step):
+        books.cursor += 1
+        versions.append(eng.version)
+        return [{}], [[5, 10 + step]], rollouts.request([[5, 10 + step]], 2, 4, 1.0, 1.0, [step])
+
+    rollouts = LaggedRollouts(books, eng, sample, max_lag)
+    stats = []
+    for step in range(3):
+        _, prompt_ids, completions = rollouts.take(step)
+        assert [c.token_ids[0] for c in completions] == [10 + step] * 2
+        time.sleep(0.4)  # training
+        rollouts.update_weights(tiny[0])
+        stats.append(dict(rollouts.stats))
+    # batch b requested under push max(0, b - k + 1) + 1 (the engine's first push is its start), one push per step
+    pushes = [int(v.rsplit("-", 1)[1]) for v in versions]
+    assert pushes == [1 + max(0, b - max_lag + 1) for b in range(3 + max_lag - 1)] and stubs[0].version == eng.version
+    if max_lag == 1:
+        assert all(s["time/generation_overlap_s"] == 0 and s["time/rollout_wait_s"] >= 0.35 for s in stats)
+    else:  # from step 0 on, the next batch is on the servers while the trainer trains
+        assert all(s["time/generation_overlap_s"] >= 0.3 and s["time/rollout_wait_s"] < 0.2 for s in stats[1:])
+        assert [s["train/lag_max"] for s in stats] == [0, 1, 1]

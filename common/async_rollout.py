@@ -1,0 +1,222 @@
+"""Asynchronous rollouts with a fixed lag: batch s is sampled by policy version max(0, s - k + 1), k = ``--max-lag``.
+
+Versions count weight pushes: version v is the policy after v training steps (one push per step). The lag of a batch
+is (the version its step updates) - (the version that sampled it) = min(s, k - 1), whatever the timing, so runs and
+resumes are reproducible; k = 1 is the synchronous loop. This is PipelineRL's ``max_lag`` and AReaL's
+``max_head_offpolicyness`` as a deterministic schedule rather than a bound (prime-rl ``max_off_policy_steps``, verl's
+``staleness_threshold``, TRL's ``AsyncGRPOTrainer`` ``max_staleness``).
+
+    def sample(step):  # the script's: this step's prompts, their seeds, and the request for G samples each
+        problems, prompt_ids = books.next_prompts()
+        return problems, prompt_ids, rollouts.request(prompt_ids, G, max_new_tokens, temperature, top_p, seeds, stop)
+
+    rollouts = LaggedRollouts(books, engine, sample, args.max_lag)   # checkpointed with the run
+    for step in books.steps():
+        problems, prompt_ids, completions = rollouts.take(step)      # asks for batches up to step + k - 1 first
+        ...                                                          # score, advantages, update
+        rollouts.update_weights(raw_model)                           # waits for generation in flight, then pushes
+        step_log |= rollouts.stats                                   # train/lag, waits, overlap
+
+Batches for the next steps are requested at the top of a step, from the weights just pushed, so they sample while
+the trainer trains. With rollout servers (``--rollout.backend vllm-server``) that is real overlap: the requests run on
+a background thread with no collective, and every rank agrees on failures when it collects (``take``). With the HF
+and colocated vLLM engines, which share the trainer's device and weights, a request generates at once: the same
+schedule (one meaning of lag), no overlap. The weight push waits for the generation in flight (weights never change
+mid-generation), so at most one batch samples at a time and a checkpoint, taken after the push, holds the finished
+batches sampled ahead, which older weights produced and a resume cannot regenerate; their prompts were drawn, so the
+data cursor needs nothing more.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from common.engine_base import Completion
+
+
+@dataclass
+class Request:
+    """One batch's generation: finished (``completions``) or running on the servers (``future``)."""
+
+    version: int  # the policy version that samples it
+    completions: list[Completion] | None = None
+    future: Future | None = None
+    start: float = 0.0  # wall-clock interval of the generation (time.time())
+    end: float = 0.0
+
+
+@dataclass
+class Batch:
+    step: int
+    cursor: int  # the data cursor before its prompts were drawn
+    problems: list[dict]
+    prompt_ids: list[list[int]]
+    indices: list[int]  # this process's training-set indices
+    request: Request
+
+
+class LaggedRollouts:
+    """The fixed-lag schedule around one engine (see the module docstring); ``sample(step)`` is the script's."""
+
+    def __init__(self, books, engine, sample: Callable, max_lag: int) -> None:
+        if max_lag < 1:
+            raise SystemExit(f"--max-lag must be >= 1 (1 = synchronous), got {max_lag}")
+        self.books, self.engine, self.sample, self.max_lag = books, engine, sample, max_lag
+        # servers sample on a background thread (one batch at a time, in step order); other engines generate in place
+        self.overlap = hasattr(engine, "sample_local")
+        self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollouts") if self.overlap else None
+        self.queue: list[Batch] = []  # requested, not yet taken, in step order
+        self.next_step = 0  # the next batch to request
+        self.version = 0  # the version the engine serves now: the step whose top it is
+        self.stats: dict[str, float] = {}
+        self.train_start = 0.0  # when take() returned: the trainer works until update_weights
+        books.state["rollouts"] = self  # checkpointed with the run
+
+    def request(
+        self,
+        prompt_ids: list[list[int]],
+        n: int,
+        max_new_tokens: int,
+        temperature: float,
+        top_p: float,
+        seeds: list[int],
+        stop=(),
+    ) -> Request:
+        """Ask the engine for ``n`` samples per prompt from its current weights (``Engine.generate``'s arguments)."""
+        args = (prompt_ids, n, max_new_tokens, temperature, top_p, seeds, stop)
+        req = Request(version=self.version)
+        if self.overlap:
+            version = self.engine.version
+
+            def run() -> list[Completion]:
+                req.start = time.time()
+                try:
+                    return self.engine.sample_local(*args, version=version)
+                finally:
+                    req.end = time.time()
+
+            req.future = self.worker.submit(run)
+        else:
+            req.start = time.time()
+            self.engine.wake()
+            req.completions = self.engine.generate(*args)
+            self.engine.sleep()
+            req.end = time.time()
+        return req
+
+    def collect(self, req: Request) -> list[Completion]:
+        """The request's completions, each tagged with its version; a collective with servers (failures agreed)."""
+        if req.completions is None:
+            req.completions = self.engine.all_ranks(req.future.result, "sampling", after_update=False)
+        for c in req.completions:
+            c.version = req.version
+        return req.completions
+
+    def take(self, step: int) -> tuple[list[dict], list[list[int]], list[Completion]]:
+        """Request the batches up to ``step + max_lag - 1`` from the current weights (version ``step``), then return
+        batch ``step``: its problems, prompt ids and completions (waiting for them if they are still sampling)."""
+        t0 = time.time()
+        self.version, self.next_step = step, max(self.next_step, step)
+        while self.next_step < step + self.max_lag:
+            cursor = self.books.cursor
+            problems, prompt_ids, req = self.sample(self.next_step)
+            self.queue.append(Batch(self.next_step, cursor, problems, prompt_ids, list(self.books.prompt_indices), req))
+            self.next_step += 1
+        batch = self.queue[0]
+        if batch.step != step:
+            raise RuntimeError(f"rollout schedule out of order: batch {batch.step} at step {step}")
+        completions = self.collect(batch.request)
+        self.queue.pop(0)
+        self.books.prompt_indices = batch.indices  # the prompts this step trains on
+        lags = [step - c.version for c in completions] or [0]
+        self.stats = {
+            "train/lag": sum(lags) / len(lags),
+            "train/lag_max": float(max(lags)),
+            "time/rollout_wait_s": time.time() - t0,  # the trainer idle, waiting for this batch (all of it when sync)
+        }
+        self.train_start, self.taken = time.time(), batch.request
+        return batch.problems, batch.prompt_ids, completions
+
+    def update_weights(self, model: torch.nn.Module) -> None:
+        """Wait for the generation in flight (weights never change under it), then push ``model`` as the next
+        version. Logs the servers' idle time and how much of this step's training the generation overlapped."""
+        train_end = time.time()
+        for batch in self.queue:  # finish (and agree on) every request made from the outgoing weights
+            self.collect(batch.request)
+        idle_from = max([b.request.end for b in self.queue] + [self.taken.end])
+        push_start = time.time()
+        self.engine.update_weights(model)
+        running = [b.request for b in self.queue if b.request.future is not None]
+        overlap = sum(max(0.0, min(r.end, train_end) - max(r.start, self.train_start)) for r in running)
+        self.stats |= {
+            "time/generation_overlap_s": overlap,  # generation on the servers during this step's training
+            "time/sampler_wait_s": (time.time() - idle_from) if self.overlap else 0.0,  # servers idle for weights
+            "time/weight_push_s": time.time() - push_start,
+        }
+
+    def state_dict(self) -> dict:
+        """The batches sampled ahead whose prompts the data cursor has passed, global across processes (a resume on
+        any number of processes takes its share). A batch whose sampling failed on some process (a server fault) is
+        dropped with the batches after it, and ``cursor`` rewinds to its prompts: a resume samples them again, from
+        the resumed weights. A collective on several processes."""
+        local = []
+        for b in self.queue:
+            if b.cursor >= self.books.cursor:  # requested in a step a fault rewound
+                break
+            req = b.request
+            if req.completions is None and req.future.exception() is None:  # waits for a request still running
+                req.completions = req.future.result()
+            sampled = [(c.token_ids, c.logprobs, c.finish_reason) for c in req.completions or []] or None
+            local.append(
+                {
+                    "step": b.step,
+                    "version": req.version,
+                    "cursor": b.cursor,
+                    "indices": b.indices,
+                    "completions": sampled,
+                }
+            )
+        run = self.books.run
+        shares = run.accelerator.gather_for_metrics([local], use_gather_object=True) if run.world > 1 else [local]
+        batches, cursor = [], None
+        for parts in zip(*shares):
+            if any(p["completions"] is None for p in parts):
+                cursor = parts[0]["cursor"]
+                break
+            batches.append(
+                {
+                    "step": parts[0]["step"],
+                    "version": parts[0]["version"],
+                    "indices": [i for p in parts for i in p["indices"]],
+                    "completions": [c for p in parts for c in p["completions"]],
+                }
+            )
+        return {"batches": batches, "cursor": cursor}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore the batches sampled ahead (this process's share); a rewound ``cursor`` replaces the saved one."""
+        run = self.books.run
+        self.queue = []
+        for saved in state["batches"]:
+            per_process = len(saved["indices"]) // run.world
+            group = len(saved["completions"]) // len(saved["indices"])
+            lo, hi = run.rank * per_process, (run.rank + 1) * per_process
+            indices = saved["indices"][lo:hi]
+            completions = [Completion(list(t), list(p), f) for t, p, f in saved["completions"][lo * group : hi * group]]
+            problems, prompt_ids = self.books.prompts_at(indices)
+            req = Request(version=saved["version"], completions=completions)
+            self.queue.append(Batch(saved["step"], -1, problems, prompt_ids, indices, req))
+        self.next_step = self.queue[-1].step + 1 if self.queue else 0  # take() requests from here on
+        if state["cursor"] is not None:
+            self.books.cursor = state["cursor"]
+
+    def sleep(self) -> None:
+        self.engine.sleep()
+
+    def wake(self) -> None:
+        self.engine.wake()
