@@ -316,12 +316,8 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> float:
 def main() -> None:
     args = tyro.cli(Args)
     run = start_run(args)  # flags checked, processes started, precision chosen, run folder claimed, seeded
-    if args.max_lag > 1:  # ALGO LOGIC: the online filter and the implicit PRM are on-policy
-        raise SystemExit(
-            "--max-lag > 1: not for prime.py. Its online prompt filter samples refill rounds from the current policy "
-            "within a step, and its implicit PRM is trained on, and credits, the current policy's rollouts (PRIME "
-            "§3); both are defined on-policy. Use --max-lag 1"
-        )
+    if args.max_lag > 1:  # ALGO LOGIC: PRIME's online filter and implicit PRM are defined on the current policy
+        raise SystemExit("--max-lag > 1: not for prime.py; its filter's refill rounds and its PRM are on-policy")
     args.correction = resolve_correction(args.correction, args.rollout)  # 'auto': on when the sampler is not the model
     accelerator, device, autocast = run.accelerator, run.device, run.autocast
     args.prm_learning_rate = args.prm_learning_rate or 2 * args.learning_rate

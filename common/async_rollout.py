@@ -109,10 +109,11 @@ class LaggedRollouts:
             req.end = time.time()
         return req
 
-    def collect(self, req: Request) -> list[Completion]:
-        """The request's completions, each tagged with its version; a collective with servers (failures agreed)."""
+    def collect(self, req: Request, after_update: bool = False) -> list[Completion]:
+        """The request's completions, each tagged with its version; a collective with servers (failures agreed, then
+        ``on_fault(after_update)``: whether this step's update is done)."""
         if req.completions is None:
-            req.completions = self.engine.all_ranks(req.future.result, "sampling", after_update=False)
+            req.completions = self.engine.all_ranks(req.future.result, "sampling", after_update=after_update)
         for c in req.completions:
             c.version = req.version
         return req.completions
@@ -147,7 +148,7 @@ class LaggedRollouts:
         version. Logs the servers' idle time and how much of this step's training the generation overlapped."""
         train_end = time.time()
         for batch in self.queue:  # finish (and agree on) every request made from the outgoing weights
-            self.collect(batch.request)
+            self.collect(batch.request, after_update=True)
         idle_from = max([b.request.end for b in self.queue] + [self.taken.end])
         push_start = time.time()
         self.engine.update_weights(model)

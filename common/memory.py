@@ -435,10 +435,7 @@ def plan_memory(
         decoded = min(max(1, args.rollout.hf_max_batch // args.group_size), args.prompts_per_step // world)
         kv = decoded * args.group_size * max_model_len * shape.layers * 2 * shape.kv_heads * shape.head_dim * wbytes
         components.append((f"HF engine KV cache ({decoded * args.group_size} rows)", kv))
-        # a lagging sampler (scalerl.py's --max-lag) samples from its own copy of the weights with the HF engine
-        sampler = wbytes * p if getattr(args, "max_lag", 1) > 1 else 0.0
-        if sampler:
-            components.append(("sampler's weight copy (--max-lag > 1)", sampler))
+        sampler = 0.0  # --max-lag samples ahead from the live weights (common/async_rollout.py): no weight copy
         if fsdp:  # the HF engine samples from a gathered, unsharded copy of the policy on each rank
             components.append(("HF engine's gathered policy copy (--fsdp)", wbytes * p))
             sampler += wbytes * p

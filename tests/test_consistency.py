@@ -23,6 +23,7 @@ FORK_MAY_CHANGE_DEFAULT = {
     "num_epochs",
     "learning_rate",
     "warmup_steps",
+    "max_lag",
 }
 """Shared flags a fork keeps but may default to its paper's value (say so in the field's docstring)."""
 REQUIRED_FUNCTIONS = {

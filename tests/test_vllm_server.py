@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 import urllib.error
 import urllib.request
 from http.server import BaseHTTPRequestHandler
@@ -147,6 +148,11 @@ def test_an_unreachable_server_stops_the_run_naming_it(tiny):
 
 
 def run_script(script, out_dir, url, *flags, nproc=1) -> subprocess.CompletedProcess:
+    cmd, env = script_command(script, out_dir, url, *flags, nproc=nproc)
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+
+
+def script_command(script, out_dir, url, *flags, nproc=1) -> tuple[list[str], dict]:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1"}
     env["PYTHONPATH"] = str(REPO)
     launcher = [sys.executable]
@@ -158,7 +164,7 @@ def run_script(script, out_dir, url, *flags, nproc=1) -> subprocess.CompletedPro
         *("--group-size", "4", "--max-new-tokens", "24", "--micro-batch-size", "8", "--eval.max-problems", "4"),
         *("--eval.n", "1", "--eval.k", "1", "--eval-every", "100", "--save-every", "1", *flags),
     ]
-    return subprocess.run([*cmd, *flags], capture_output=True, text=True, env=env, timeout=600)
+    return [*cmd, *flags], env
 
 
 FP32 = ("--mixed-precision", "no", "--save-every", "0")  # a checkpoint at the end of each invocation only
@@ -185,6 +191,47 @@ def test_two_trainer_processes_share_one_server(server, tmp_path):
     assert "2 processes, data-parallel (DDP)" in result.stdout
     rows = [json.loads(line) for line in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if "train/reward" in r] == [1, 2]
+
+
+def test_with_lag_2_batches_sample_during_training_and_a_sigkill_resume_is_exact(server, tmp_path):
+    """grpo --max-lag 2 against the server: the logged lags follow the schedule (batch s sampled by version
+    max(0, s - 1)), the next batch's generation overlaps the step's training (measured intervals), and a trainer
+    SIGKILLed with a batch in flight resumes from its checkpoint (which holds the batch sampled ahead by the older
+    weights) to the uninterrupted run's metrics and weights, bit for bit."""
+    flags = ("--total-steps", "4", "--max-lag", "2", "--mixed-precision", "no")
+    full = run_script("grpo", tmp_path, server, "--run-name", "full", *flags)
+    assert full.returncode == 0, full.stderr[-3000:]
+    rows = [
+        r for r in map(json.loads, (tmp_path / "full" / "metrics.jsonl").read_text().splitlines()) if "train/lag" in r
+    ]
+    assert [r["train/lag_max"] for r in rows] == [0, 1, 1, 1]
+    assert all(r["time/generation_overlap_s"] > 0 for r in rows), [r["time/generation_overlap_s"] for r in rows]
+    cmd, env = script_command("grpo", tmp_path, server, "--run-name", "killed", *flags)
+    process = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        metrics = tmp_path / "killed" / "metrics.jsonl"
+        deadline = time.time() + 300
+        while not (metrics.exists() and '"step": 2' in metrics.read_text() and "train/lag" in metrics.read_text()):
+            assert process.poll() is None and time.time() < deadline, process.stderr.read()[-3000:]
+            time.sleep(0.1)
+        process.send_signal(signal.SIGKILL)  # step 3's batch is on the server: its generation is lost
+    finally:
+        process.kill()
+        process.wait()
+    resumed = run_script("grpo", tmp_path, server, "--run-name", "killed", "--resume", *flags)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    rows_resumed = [json.loads(x) for x in metrics.read_text().splitlines()]
+    rows_resumed = [r for r in rows_resumed if "train/lag" in r]
+    assert [r["step"] for r in rows_resumed] == [1, 2, 3, 4]
+    for a, b in zip(rows, rows_resumed):
+        assert (a["train/reward"], a["train/lag"], a["train/loss"]) == (
+            b["train/reward"],
+            b["train/lag"],
+            b["train/loss"],
+        )
+    final_full = load_file(tmp_path / "full" / "final" / "model.safetensors")
+    final_killed = load_file(tmp_path / "killed" / "final" / "model.safetensors")
+    assert all(torch.equal(final_full[k], final_killed[k]) for k in final_full)
 
 
 class KillingProxy:
