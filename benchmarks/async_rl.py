@@ -84,13 +84,15 @@ def main() -> None:
     from common.vllm_launch import serve_command, start_server, stop_server
 
     started = time.time()
-    tasks = {"arith": str(REPO / "common" / "tiny_model")}
+    # per task: the model and its flags (arith-pad as in the claims suite: free length, 64 new tokens)
+    tasks = {"arith": (str(REPO / "common" / "tiny_model"), ["--learning-rate", "1e-4"])}
     if args.pad_model:
-        tasks["arith-pad"] = str(Path(args.pad_model).resolve())
+        pad_flags = ["--learning-rate", "1e-4", "--max-new-tokens", "64"]
+        tasks["arith-pad"] = (str(Path(args.pad_model).resolve()), pad_flags)
     batch = 16 * 8  # grpo's default prompts per step x group size
     work = Path(tempfile.mkdtemp(prefix="async_rl_bench_"))
     results: dict[str, dict] = {}
-    for dataset, model in tasks.items():
+    for dataset, (model, task_flags) in tasks.items():
         port = 8000 + (os.getpid() + len(results)) % 1000
         url = f"http://127.0.0.1:{port}"
         command, env = serve_command(model, port, max_model_len=256, fp32_head=True)
@@ -103,7 +105,7 @@ def main() -> None:
                 for lag in LAGS:
                     flags = ["--rollout.backend", "vllm-server", "--rollout.server-urls", url, "--seed", str(seed)]
                     flags += ["--total-steps", str(args.steps), "--eval-every", str(args.eval_every)]
-                    flags += ["--max-lag", str(lag)]
+                    flags += ["--max-lag", str(lag), *task_flags]
                     rows = run_grpo(work, f"{dataset}_k{lag}_s{seed}", model, dataset, flags)
                     runs[str(lag)].append(summarise(rows, lag, batch, dataset) | {"seed": seed})
                     print(
