@@ -123,7 +123,9 @@ class LaggedRollouts:
         batch ``step``: its problems, prompt ids and completions (waiting for them if they are still sampling)."""
         t0 = time.time()
         self.version, self.next_step = step, max(self.next_step, step)
-        while self.next_step < step + self.max_lag:
+        # no batch past the run's last step (a run extended by --resume with more steps samples those at lag 0)
+        last = min(step + self.max_lag, getattr(getattr(self.books, "args", None), "total_steps", step + self.max_lag))
+        while self.next_step < max(last, step + 1):
             cursor = self.books.cursor
             problems, prompt_ids, req = self.sample(self.next_step)
             self.queue.append(Batch(self.next_step, cursor, problems, prompt_ids, list(self.books.prompt_indices), req))
