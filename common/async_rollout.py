@@ -1,10 +1,11 @@
 """Asynchronous rollouts with a fixed lag: batch s is sampled by policy version max(0, s - k + 1), k = ``--max-lag``.
 
-Versions count weight pushes: version v is the policy after v training steps (one push per step). The lag of a batch
-is (the version its step updates) - (the version that sampled it) = min(s, k - 1), whatever the timing, so runs and
-resumes are reproducible; k = 1 is the synchronous loop. This is PipelineRL's ``max_lag`` and AReaL's
-``max_head_offpolicyness`` as a deterministic schedule rather than a bound (prime-rl ``max_off_policy_steps``, verl's
-``staleness_threshold``, TRL's ``AsyncGRPOTrainer`` ``max_staleness``).
+No batch past the run's last step is requested (``books.args.total_steps``). Versions count weight pushes: version v
+is the policy after v training steps (one push per step). The lag of a batch is (the version its step updates) -
+(the version that sampled it) = min(s, k - 1), whatever the timing, so runs and resumes are reproducible; k = 1 is
+the synchronous loop. This is PipelineRL's ``max_lag`` and AReaL's ``max_head_offpolicyness`` as a deterministic
+schedule rather than a bound (prime-rl ``max_off_policy_steps``, verl's ``staleness_threshold``, TRL's
+``AsyncGRPOTrainer`` ``max_staleness``).
 
     def sample(step):  # the script's: this step's prompts, their seeds, and the request for G samples each
         problems, prompt_ids = books.next_prompts()
@@ -136,14 +137,16 @@ class LaggedRollouts:
         completions = self.collect(batch.request)
         self.queue.pop(0)
         self.books.prompt_indices = batch.indices  # the prompts this step trains on
-        lags = [step - c.version for c in completions] or [0]
-        self.stats = {
-            "train/lag": sum(lags) / len(lags),
-            "train/lag_max": float(max(lags)),
-            "time/rollout_wait_s": time.time() - t0,  # the trainer idle, waiting for this batch (all of it when sync)
-        }
+        self.stats = self.lag_stats(step, completions)
+        self.stats["time/rollout_wait_s"] = time.time() - t0  # the trainer idle, waiting for this batch (all if sync)
         self.train_start, self.taken = time.time(), batch.request
         return batch.problems, batch.prompt_ids, completions
+
+    @staticmethod
+    def lag_stats(step: int, completions: list[Completion]) -> dict[str, float]:
+        """``train/lag`` (mean) and ``train/lag_max`` of the samples step ``step`` trains on (this process's)."""
+        lags = [step - c.version for c in completions] or [0]
+        return {"train/lag": sum(lags) / len(lags), "train/lag_max": float(max(lags))}
 
     def update_weights(self, model: torch.nn.Module) -> None:
         """Wait for the generation in flight (weights never change under it), then push ``model`` as the next
