@@ -56,9 +56,10 @@ from common.bookkeeping import Bookkeeper, pack_rollout, rollout_stats, sample_r
 from common.correction import CorrectionConfig, correction_weights, resolve_correction  # noqa: E402
 from common.evaluate import EvalConfig  # noqa: E402
 from common.logprobs import token_logprobs, token_logprobs_batched  # noqa: E402
+from common.lora import LoraConfig  # noqa: E402
 from common.packing import micro_batches  # noqa: E402
 from common.rollout import RolloutConfig, make_engine  # noqa: E402
-from common.runtime import load_model, load_task, load_tokenizer, start_run  # noqa: E402
+from common.runtime import load_model, load_task, load_tokenizer, reference_model, start_run  # noqa: E402
 from common.verifiers import compute_rewards  # noqa: E402
 
 
@@ -113,6 +114,8 @@ class Args:
     """rollout engine settings"""
     correction: CorrectionConfig = field(default_factory=CorrectionConfig)
     """importance weights for the sampler/trainer gap on the policy-gradient term (common/correction.py)"""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """LoRA adapters on the policy (--lora.rank > 0; the reference is the base, adapters off; common/lora.py)"""
     max_lag: int = 1
     """asynchronous RL: batch s is sampled by policy version max(0, s-k+1), k = max_lag (1 = synchronous)"""
     # optimisation
@@ -241,8 +244,8 @@ def main() -> None:
     batch_size = run.local_prompts * args.group_size  # sequences per process per step
     task = load_task(args)
     tokenizer = load_tokenizer(run.model_path)
-    raw_model = load_model(run, gradient_checkpointing=args.gradient_checkpointing)
-    ref_model = load_model(run, frozen=True) if args.kl_coef > 0 else None  # ALGO LOGIC: only the KL term needs it
+    raw_model = load_model(run, gradient_checkpointing=args.gradient_checkpointing, lora=args.lora)
+    ref_model = reference_model(run, raw_model) if args.kl_coef > 0 else None  # ALGO LOGIC: only the KL term needs it
     optimizer = torch.optim.AdamW(
         raw_model.parameters(), lr=args.learning_rate, betas=(0.9, args.adam_beta2), weight_decay=args.weight_decay
     )
@@ -343,10 +346,10 @@ def main() -> None:
                                 packed=args.micro_batch_tokens > 0,
                             )
                         old = logprobs.detach() if on_policy else old_logprobs[rows]
-                        old = rollout_logprobs[rows] if args.max_lag > 1 else old  # ALGO LOGIC: μ under lag
-                        is_weights, correction_stats = correction_weights(
+                        is_weights, correction_stats = correction_weights(  # mismatch: recomputed old policy vs μ
                             old, rollout_logprobs[rows], completion_mask[rows], args.correction
                         )
+                        old = rollout_logprobs[rows] if args.max_lag > 1 else old  # ALGO LOGIC: μ under lag
                         loss, loss_stats = policy_loss(
                             logprobs,
                             old,

@@ -57,9 +57,10 @@ from common.bookkeeping import Bookkeeper, pack_rollout, rollout_stats, sample_r
 from common.correction import CorrectionConfig, correction_weights, resolve_correction  # noqa: E402
 from common.evaluate import EvalConfig  # noqa: E402
 from common.logprobs import token_logprobs, token_logprobs_batched  # noqa: E402
+from common.lora import LoraConfig  # noqa: E402
 from common.packing import micro_batches  # noqa: E402
 from common.rollout import RolloutConfig, make_engine  # noqa: E402
-from common.runtime import load_model, load_task, load_tokenizer, start_run  # noqa: E402
+from common.runtime import load_model, load_task, load_tokenizer, reference_model, start_run  # noqa: E402
 from common.verifiers import compute_rewards  # noqa: E402
 
 
@@ -114,6 +115,8 @@ class Args:
     """rollout engine settings"""
     correction: CorrectionConfig = field(default_factory=CorrectionConfig)
     """importance weights for the sampler/trainer gap on the policy-gradient term (common/correction.py)"""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """LoRA adapters on the policy (--lora.rank > 0; the reference is the base, adapters off; common/lora.py)"""
     max_lag: int = 1
     """asynchronous RL (batch s sampled by version max(0, s-k+1)): not for PRIME, only 1 (synchronous)"""
     # optimisation
@@ -326,10 +329,10 @@ def main() -> None:
     batch_size = run.local_prompts * args.group_size  # sequences per process per step
     task = load_task(args)
     tokenizer = load_tokenizer(run.model_path)
-    raw_model = load_model(run, gradient_checkpointing=args.gradient_checkpointing)
+    raw_model = load_model(run, gradient_checkpointing=args.gradient_checkpointing, lora=args.lora)
     # ALGO LOGIC: the frozen reference (the implicit reward's denominator) and the implicit PRM, a trained copy of the
     # base model with its own optimiser at a constant learning rate (PRIME: no warm-up)
-    ref_model = load_model(run, frozen=True)
+    ref_model = reference_model(run, raw_model)  # the base model (LoRA: the policy, adapters off)
     raw_prm = load_model(run, gradient_checkpointing=args.gradient_checkpointing)
     prm_optimizer = torch.optim.AdamW(
         raw_prm.parameters(), lr=args.prm_learning_rate, betas=(0.9, args.adam_beta2), weight_decay=args.weight_decay

@@ -13,7 +13,8 @@ Sections, each written to disk as soon as it is measured (a cut-off run keeps wh
             each shape twice at the same token count: padded (micro-batch rows, --micro-batch-size) and packed
             (--micro-batch-tokens: 2 x micro-batch sequences of 3/4 and 1/4 the length in one flat row,
             token_logprobs(packed=True), with the kernel a script would pick: flash-attention's varlen path when
-            flash-attn is installed, else sdpa through a dense block-diagonal mask)
+            flash-attn is installed, else sdpa through a dense block-diagonal mask); then the 7B shape with
+            LoRA rank 16 on every linear layer of a frozen base (--lora.rank 16, the one-GPU 7B plan of docs/gpu.md)
   generate  HFEngine decode tokens/s on the 0.5B shape
 Beside every learner row, the memory planner's prediction for the same shape and the measured/predicted ratio.
 
@@ -131,6 +132,7 @@ def markdown(env: dict, records: list[dict]) -> str:
             "tokens",
             "attention",
             "checkpointing",
+            "lora_rank",
             "peak_gb",
             "planned_gb",
             "ratio",
@@ -277,12 +279,14 @@ def planned_gb(
     bf16: bool,
     layout: str = "padded",
     attention: str = "sdpa",
+    lora: int = 0,
 ) -> float:
     """The memory planner's prediction for this learner probe, from its own component formulas (common/memory.py):
     fp32 weights, gradients and AdamW moments (16 bytes per parameter), the bf16 autocast copies (2 bytes), the
     activations of one micro-batch and the chunked fp32 log-prob head. CUDA's context and vLLM are not in the probe,
     so they are not in the prediction either. Padded rows: a ``seq_len``-wide mask row per token; packed: one flat
-    row, under sdpa a (tokens x tokens) block-diagonal mask, under flash-attention's varlen path none."""
+    row, under sdpa a (tokens x tokens) block-diagonal mask, under flash-attention's varlen path none. ``lora``: the
+    rank of adapters on every linear layer (``--lora.rank``), the base frozen."""
     from common import memory
 
     shape = memory.model_shape(str(config_dir))
@@ -293,14 +297,20 @@ def planned_gb(
     else:
         mask_len = 0 if attention.startswith("flash_attention") else tokens
     total = (16 + (2 if bf16 else 0)) * shape.params
+    if lora:  # a frozen fp32 base (4 bytes) and fp32 adapters with gradients and AdamW moments (16 bytes)
+        total = (4 + (2 if bf16 else 0)) * shape.params + 16 * memory.lora_params(
+            str(config_dir), lora, ("all-linear",)
+        )
     total += memory.activation_bytes(shape, tokens, mask_len, completion_tokens, bf16, checkpointing)
     total += memory.logprob_head_bytes(shape, completion_tokens)
     return total / 1e9
 
 
 def check_learner(
-    report: Report, names: list[str], grid: list[tuple[int, int, bool]], smoke: bool, workdir: Path
+    report: Report, names: list[str], grid: list[tuple[int, int, bool]], smoke: bool, workdir: Path, lora: int = 0
 ) -> None:
+    """Forward + backward + AdamW on random weights of each shape; ``lora`` > 0: rank-``lora`` adapters on every
+    linear layer of a frozen base (``common/lora.py``, as ``--lora.rank``)."""
     from transformers import AutoModelForCausalLM
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -320,8 +330,11 @@ def check_learner(
                 "tokens": micro_batch * seq_len,
                 "attention": attention,
                 "checkpointing": checkpointing,
+                "lora_rank": lora,
             }
-            record["planned_gb"] = planned_gb(folder, micro_batch, seq_len, checkpointing, True, layout, attention)
+            record["planned_gb"] = planned_gb(
+                folder, micro_batch, seq_len, checkpointing, True, layout, attention, lora
+            )
             model = optimizer = None
             try:
                 with device:  # random weights built on the device: a 7B init on the host would take minutes
@@ -330,6 +343,10 @@ def check_learner(
                 record["params_b"] = params / 1e9
                 if checkpointing:
                     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+                if lora:
+                    from common.lora import LoraConfig, apply_lora
+
+                    model = apply_lora(model, LoraConfig(rank=lora))
                 model.train()
                 optimizer = torch.optim.AdamW(model.parameters(), lr=1e-7)
                 generator = torch.Generator(device=device).manual_seed(0)
@@ -369,7 +386,8 @@ def check_learner(
                 record["tokens_per_s"] = tokens / seconds
                 # 6 N T for the dense matmuls (x 4/3 with recomputation) + 12 L H S T for attention scores and values,
                 # S T summed per sequence (the model's own work; a packed row's dense mask computes more than that)
-                flops = (8 if checkpointing else 6) * params * tokens
+                # LoRA: no weight gradients for the frozen base, 2 N T fewer (the adapters' own work is not counted)
+                flops = ((8 if checkpointing else 6) - (2 if lora else 0)) * params * tokens
                 flops += 12 * config.num_hidden_layers * config.hidden_size * int((attention_mask.sum(-1) ** 2).sum())
                 if peak_tflops:
                     record["mfu"] = flops / seconds / (peak_tflops * 1e12)
@@ -432,10 +450,13 @@ def main() -> None:
         if "learner" in args.sections:
             if args.smoke:
                 check_learner(report, ["smoke"], [(2, 64, False), (2, 64, True)], True, Path(workdir))
+                check_learner(report, ["smoke"], [(2, 64, True)], True, Path(workdir), lora=8)
             else:
                 grid = [(mb, seq, ckpt) for mb in (1, 4) for seq in (1024, 4096) for ckpt in (False, True)]
                 check_learner(report, ["qwen2.5-0.5b", "qwen2.5-1.5b"], grid, False, Path(workdir))
                 check_learner(report, ["qwen2.5-7b"], [(1, 1024, True), (1, 4096, True)], False, Path(workdir))
+                # the one-GPU 7B LoRA plan (docs/gpu.md): rank 16 on every linear layer, gradient checkpointing
+                check_learner(report, ["qwen2.5-7b"], [(1, 4096, True)], False, Path(workdir), lora=16)
         if "generate" in args.sections:
             check_generation(report, "smoke" if args.smoke else "qwen2.5-0.5b", args.smoke, Path(workdir))
     failed = [r for r in report.records if r["section"] == "scripts" and not r["ok"]]

@@ -29,6 +29,7 @@ from tqdm.auto import tqdm
 
 from common.data import prompt_batch
 from common.evaluate import EVAL_SEED, describe_protocol, evaluate
+from common.lora import is_lora, save_adapter
 from common.rollout import Completion, left_pad
 from common.runtime import Run, Task, encode_prompts
 from common.sharding import gather_state, restore_state, save_pretrained_full
@@ -317,7 +318,7 @@ class Bookkeeper:
 
         Models and optimisers are saved as full state dicts keyed by parameter name, gathered from every process
         (``common/sharding.py``): one format for one process, DDP and FSDP, which a resume on any number of
-        processes, sharded or not, loads."""
+        processes, sharded or not, loads. Frozen parameters (a LoRA policy's base) are not saved."""
         run = self.run
         states = [rng_state()]
         if run.world > 1:
@@ -325,7 +326,11 @@ class Bookkeeper:
         saved = gather_state(self.state)  # a collective under --fsdp; complete on the main process
         if run.is_main:
             saved |= {"rng": states, "step": step, "cursor": self.cursor, "train_time": self.train_time}
-            save_checkpoint(run.run_dir, step, saved, keep_last=self.args.keep_checkpoints)
+            model = self.state["model"]  # a LoRA policy: its adapter also in PEFT's format, in the checkpoint
+            adapter = (
+                (lambda folder: save_adapter(model, saved["model"], folder / "adapter")) if is_lora(model) else None
+            )
+            save_checkpoint(run.run_dir, step, saved, keep_last=self.args.keep_checkpoints, also=adapter)
         run.accelerator.wait_for_everyone()
 
     def finish(self, raw_model: torch.nn.Module) -> None:

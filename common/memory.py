@@ -14,6 +14,11 @@ embeddings once) and the run's flags. Per GPU, with P parameters per model:
   layers at a time, weights and their unsharded gradients; ``--fsdp-offload`` keeps the sharded weights, gradients
   and AdamW moments in host memory.
 * a frozen reference: 4P (2P in bf16); loaded when ``kl_coef > 0``, and always by prime.py.
+* LoRA (``--lora.rank r``, ``common/lora.py``): the policy's base is frozen, in the trainer's weight dtype (4P, 2P
+  with ``--dtype bfloat16``), with no gradients or AdamW state; its adapters, A = r x in and B = out x r per adapted
+  linear layer, train in fp32 (16 bytes per adapter parameter). No reference loads: it is the policy with its
+  adapters disabled. A critic or PRM stays fully trained. Activations are planned as without LoRA (the adapters'
+  own, r values per token and layer, are not counted).
 * bf16 autocast weight copies: ~2P per trained model (autocast caches the bf16 cast of every weight a matmul uses;
   the autograd graph holds them until the backward pass). On by default on CUDA (``--mixed-precision auto``).
 * the rollout engine: vLLM takes ``gpu_memory_utilization`` x the card (its bf16 weights and KV cache). With tensor
@@ -317,6 +322,25 @@ class MemoryPlan:
         return f"does not fit on {card}: {peak}"
 
 
+@functools.lru_cache(maxsize=32)
+def lora_params(model_path: str, rank: int, targets: tuple[str, ...]) -> int:
+    """Parameters of rank-``rank`` adapters on ``model_path``'s linear layers named ``targets`` (last name part;
+    'all-linear': every linear layer but the LM head, peft's rule): r x (in + out) per layer, counted on the meta
+    device."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path))
+    head = model.get_output_embeddings()
+    total = 0
+    for name, module in model.named_modules():
+        if not isinstance(module, torch.nn.Linear) or module is head:
+            continue
+        if targets == ("all-linear",) or name.rsplit(".", 1)[-1] in targets:
+            total += rank * (module.in_features + module.out_features)
+    return total
+
+
 def trained_models(args) -> tuple[int, bool]:
     """(number of trained copies of the base model, whether a frozen reference loads), read from a script's Args:
     a critic (``critic_learning_rate``, ppo.py) or an implicit PRM (``prm_learning_rate``, prime.py, which always
@@ -374,6 +398,10 @@ def plan_memory(
     autocast = args.mixed_precision != "no" and not bf16_weights
     wbytes = 2 if bf16_weights else 4
     n_trained, has_ref = trained_models(args)
+    lora = getattr(args, "lora", None)
+    adapters = lora_params(model_path, lora.rank, tuple(lora.target_modules)) if lora and lora.rank > 0 else 0
+    n_full = n_trained - (1 if adapters else 0)  # LoRA: the policy's base is frozen (a critic or PRM stays full)
+    has_ref = has_ref and not adapters  # LoRA: the reference is the policy with its adapters disabled
     rank_rows = args.prompts_per_step // world * args.group_size  # the sequences one process trains on per step
     packed = args.micro_batch_tokens > 0
     attention = planned_attention(packed, half_precision=autocast or bf16_weights)
@@ -392,14 +420,25 @@ def plan_memory(
     shards = world if fsdp else 1  # the trainer state and the reference divide by the processes under --fsdp
     on_gpu = 0.0 if fsdp and args.fsdp_offload else 1.0  # --fsdp-offload: the sharded state in host memory
     where = (f", sharded over {world}" + ("" if on_gpu else ", in host memory (--fsdp-offload)")) if fsdp else ""
-    state = n_trained * wbytes * p / shards * on_gpu  # one byte-per-parameter unit of the trained models' state
+    # one byte-per-parameter unit of the trained parameters' state (LoRA: the adapters, kept in fp32)
+    state = (n_full * wbytes * p + 4 * adapters) / shards * on_gpu
+    frozen = (wbytes * p if adapters else 0.0) / shards * on_gpu  # LoRA: the policy's frozen base
+    what = (
+        f"{n_trained} trained model(s), {wbytes} B/param"
+        if not adapters
+        else (
+            (f"{n_full} fully trained model(s) + " if n_full else "")
+            + f"LoRA adapters ({adapters / 1e6:.1f}M params, fp32) on a frozen {wbytes} B/param base"
+        )
+    )
     components = [
-        (f"weights ({n_trained} trained model(s), {wbytes} B/param{where})", state),
+        (f"weights ({what}{where})", state + frozen),
         ("gradients", state),
         ("AdamW moments", 2 * state),
     ]
     if world > 1 and not fsdp:
-        components.append((f"DDP gradient buckets ({world} processes, each a replica)", n_trained * wbytes * p))
+        buckets = n_full * wbytes * p + 4 * adapters
+        components.append((f"DDP gradient buckets ({world} processes, each a replica)", buckets))
     components.append(("frozen reference", wbytes * p / shards * on_gpu if has_ref else 0.0))
     if fsdp:  # gathered units: the root kept from forward to backward, ~2 layers (prefetch); weights and gradients
         root = shape.vocab * shape.hidden * (1 if shape.tied else 2) + shape.hidden
@@ -442,7 +481,7 @@ def plan_memory(
         rollout_engine, update_engine = kv + sampler, sampler
     overhead = CUDA_OVERHEAD_GB * GB
     components.append(("CUDA context and workspaces", overhead))
-    resident = (n_trained * 3 * wbytes * p + (wbytes * p if has_ref else 0.0)) / shards * on_gpu + overhead
+    resident = 3 * state + frozen + (wbytes * p if has_ref else 0.0) / shards * on_gpu + overhead
     rollout_peak = resident + rollout_engine
     update_peak = trainer_state + overhead + copies + used_act + head + update_engine
     plan = MemoryPlan(

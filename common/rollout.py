@@ -255,12 +255,14 @@ class HFEngine:
         return hit
 
     def update_weights(self, model: torch.nn.Module) -> None:
-        """Nothing to do when the engine samples from the training module itself; a sharded policy's weights are
-        gathered into the engine's copy (a collective: every rank calls it)."""
+        """Nothing to do when the engine samples from the training module itself (a LoRA policy: through its
+        adapters); a sharded policy's weights are gathered into the engine's copy, merged for LoRA (a collective:
+        every rank calls it)."""
         if self.sharded:
+            from common.lora import merged_view
             from common.sharding import copy_weights
 
-            copy_weights(model, self.model)
+            copy_weights(merged_view(model), self.model)
 
     def sleep(self) -> None:
         """No-op (kept for interface parity with vLLM sleep mode)."""

@@ -3,7 +3,8 @@
     run = start_run(args)                       # flags checked, processes started, memory planned, seeded
     task = load_task(args)                      # train and held-out problems, templates, verifier
     tokenizer = load_tokenizer(run.model_path)
-    raw_model = load_model(run, gradient_checkpointing=args.gradient_checkpointing)
+    raw_model = load_model(run, gradient_checkpointing=args.gradient_checkpointing, lora=args.lora)
+    ref_model = reference_model(run, raw_model)   # LoRA: the policy with its adapters disabled; else a frozen copy
     prompt_ids = encode_prompts(tokenizer, problems, task.template, args.max_prompt_tokens)
 
 ``args`` is a script's tyro ``Args``; these functions read only the fields every script shares (the consistency
@@ -27,8 +28,10 @@ import torch
 from accelerate import Accelerator, InitProcessGroupKwargs
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+from common.correction import resolve_correction
 from common.data import STOP_STRINGS, DatasetInfo, dataset_info, format_prompt, load_problems, resolve_model_path
 from common.evaluate import EvalConfig
+from common.lora import AdapterDisabled, LoraConfig, apply_lora, check_lora, is_lora
 from common.memory import LOCAL_CONFIGS, check_memory_plan, local_config
 from common.packing import attention_implementation
 from common.rollout import use_fp32_head
@@ -55,6 +58,7 @@ class Run:
     max_model_len: int  # positions a sequence may use (prompt + token budget), within the model's own limit
     fsdp: bool = False  # models sharded per decoder layer with FSDP2 (--fsdp); accelerate does not wrap them
     fsdp_offload: bool = False  # sharded parameters and optimiser state in host memory (--fsdp-offload)
+    seed: int = 0  # --seed (the same on every process: e.g. LoRA's adapter initialisation)
 
     @property
     def is_main(self) -> bool:
@@ -79,6 +83,8 @@ def start_run(args) -> Run:
             )
         args.learning_rate = 1e-4
     check_sampling_flags(args)
+    if (lora := getattr(args, "lora", None)) is not None:  # the correction mode as the script will resolve it
+        check_lora(lora, resolve_correction(args.correction, args.rollout, max_lag=getattr(args, "max_lag", 1)).mode)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # the fast tokenizer's threads would fight the trainer's
     use_cuda = check_device(args)
     # a generous collective timeout: rank 0 alone writes checkpoints while the others wait (NCCL's default is 10 min)
@@ -141,6 +147,7 @@ def start_run(args) -> Run:
         max_model_len=max_model_len,
         fsdp=args.fsdp,
         fsdp_offload=args.fsdp_offload,
+        seed=args.seed,
     )
 
 
@@ -270,7 +277,12 @@ def load_tokenizer(model_path: str):
 
 
 def load_model(
-    run: Run, frozen: bool = False, gradient_checkpointing: bool = False, model_cls=AutoModelForCausalLM, **kwargs
+    run: Run,
+    frozen: bool = False,
+    gradient_checkpointing: bool = False,
+    model_cls=AutoModelForCausalLM,
+    lora: LoraConfig | None = None,
+    **kwargs,
 ) -> torch.nn.Module:
     """A copy of the base model on this process's device, in the run's dtype and attention implementation.
 
@@ -279,7 +291,8 @@ def load_model(
     is set to 0 either way: each RL quantity (ratios, the sampler/trainer gap, old and reference log-probs) assumes
     the same forward gives the same log-probs, in train mode as in eval mode. ``gradient_checkpointing``: recompute
     each layer in the backward pass. ``model_cls`` and ``kwargs`` go to ``from_pretrained`` (e.g. a critic's token
-    classifier).
+    classifier). ``lora`` with a rank > 0: the model comes back wrapped by peft, only its adapters trainable
+    (``common/lora.py``).
     Under ``--fsdp`` the model comes back sharded per decoder layer over the processes (``common/sharding.py``):
     build its optimiser after this call.
     """
@@ -290,11 +303,19 @@ def load_model(
     ).to(run.device)
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if lora is not None and lora.rank > 0 and not frozen:
+        model = apply_lora(model, lora, seed=run.seed)
     if frozen:
         model.eval().requires_grad_(False)
     else:
         model.train()
     return shard_model(model, run.fsdp_offload) if run.fsdp else model
+
+
+def reference_model(run: Run, policy: torch.nn.Module) -> torch.nn.Module:
+    """The frozen reference policy (the base model): a LoRA policy with its adapters disabled (no second copy),
+    else a fresh frozen copy of the base (``load_model(run, frozen=True)``)."""
+    return AdapterDisabled(policy) if is_lora(policy) else load_model(run, frozen=True)
 
 
 def zero_dropout(config) -> list[str]:

@@ -17,6 +17,8 @@ keeps its parameters (embeddings, final norm, LM head) gathered from its forward
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -27,10 +29,13 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy, fully_shard
 
-# gathered to full tensors, on the CPU, held by rank 0 alone (the other ranks get empty dicts)
-GATHER = StateDictOptions(full_state_dict=True, cpu_offload=True)
-# every rank passes the full state dict and keeps its own shard of each tensor
-SCATTER = StateDictOptions(full_state_dict=True)
+from common.lora import MergedView, hf_model, is_lora, merged_view, save_adapter
+
+# gathered to full tensors, on the CPU, held by rank 0 alone (the other ranks get empty dicts); frozen parameters
+# (a LoRA policy's base) are left out: they never change, and a resume reloads them from --model
+GATHER = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
+# every rank passes the full state dict and keeps its own shard of each tensor (frozen parameters: as loaded)
+SCATTER = StateDictOptions(full_state_dict=True, strict=False)
 
 
 def is_sharded(model: torch.nn.Module) -> bool:
@@ -92,7 +97,9 @@ def gather_state(state: dict) -> dict:
     for name, obj in state.items():
         if isinstance(obj, torch.nn.Module):
             reshard(obj)
-            out[name] = get_model_state_dict(obj, options=GATHER)
+            frozen = {n for n, p in obj.named_parameters(remove_duplicate=False) if not p.requires_grad}
+            full = get_model_state_dict(obj, options=GATHER)
+            out[name] = {k: v for k, v in full.items() if k not in frozen}  # a tied alias of a frozen tensor too
         elif (optimizer := _inner_optimizer(obj)) is not None:
             out[name] = get_optimizer_state_dict(_owner(state, optimizer), optimizer, options=GATHER)
         else:
@@ -105,7 +112,14 @@ def restore_state(state: dict, saved: dict) -> None:
     for name, obj in state.items():
         if isinstance(obj, torch.nn.Module):
             reshard(obj)
-            set_model_state_dict(obj, saved[name], options=SCATTER)
+            keys = set_model_state_dict(obj, saved[name], options=SCATTER)
+            trainable = {n for n, p in obj.named_parameters() if p.requires_grad}
+            missing = [k for k in keys.missing_keys if any(k == t or k.endswith("." + t) for t in trainable)]
+            if keys.unexpected_keys or missing:  # not strict about frozen parameters only
+                raise RuntimeError(
+                    f"checkpoint does not match the model {name!r}: missing {missing[:5]}, unexpected "
+                    f"{keys.unexpected_keys[:5]} (a LoRA checkpoint needs the same --lora flags)"
+                )
     for name, obj in state.items():
         if isinstance(obj, torch.nn.Module):
             continue
@@ -117,9 +131,17 @@ def restore_state(state: dict, saved: dict) -> None:
 
 def save_pretrained_full(model: torch.nn.Module, path, is_main: bool) -> None:
     """Write ``model`` as a Hugging Face folder from its gathered weights. A collective: every process calls it,
-    the main process writes."""
+    the main process writes. A LoRA policy: the merged model at ``path`` and the adapter (PEFT's format) at
+    ``<path>_adapter``."""
     reshard(model)
-    full = get_model_state_dict(model, options=GATHER)
+    if is_lora(model):  # the merged model, loadable as any Hugging Face model, and the adapter beside it
+        merged = {name: tensor.cpu() for name, tensor in MergedView(model).named_parameters()}
+        adapter = get_model_state_dict(model, options=GATHER)
+        if is_main:
+            hf_model(model).save_pretrained(path, state_dict=merged)
+            save_adapter(model, adapter, Path(path).parent / f"{Path(path).name}_adapter")
+        return
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if is_main:
         model.save_pretrained(path, state_dict=full)
 
@@ -128,6 +150,7 @@ def unsharded_copy(model: torch.nn.Module) -> torch.nn.Module:
     """A plain (unsharded) copy of a sharded causal LM on the same device, in eval mode without gradients: what the
     HF engine samples from, since ranks decode different numbers of steps and would deadlock in FSDP's all-gathers.
     A collective (every process calls it)."""
+    source, model = merged_view(model), hf_model(model)  # a LoRA policy: its merged weights
     base = next(c for c in type(model).__mro__ if not issubclass(c, FSDPModule))
     with torch.device("meta"):
         copy = base(model.config)
@@ -138,7 +161,7 @@ def unsharded_copy(model: torch.nn.Module) -> torch.nn.Module:
     for name, buffer in model.named_buffers():
         copy.get_buffer(name).data = buffer.detach().clone()
     copy.generation_config = model.generation_config
-    copy_weights(model, copy, allocate=True)
+    copy_weights(source, copy, allocate=True)
     return copy.eval().requires_grad_(False)
 
 

@@ -165,11 +165,13 @@ def set_rng_state(state: dict) -> None:
 # ----------------------------------------------------------------------------------------------
 # Checkpoints
 # ----------------------------------------------------------------------------------------------
-def save_checkpoint(run_dir: Path, step: int, state: dict, keep_last: int = 2) -> Path:
+def save_checkpoint(run_dir: Path, step: int, state: dict, keep_last: int = 2, also=None) -> Path:
     """Atomically write ``state`` (a dict of state_dicts and plain values) as ``checkpoints/step_<step>``.
 
     ``state`` must hold only tensors and plain Python values (dicts, lists, tuples, numbers, strings, None):
     ``load_checkpoint`` refuses anything else.
+
+    ``also(folder)``, when given, writes more files into the checkpoint folder before it is renamed.
 
     The state is written into a temporary folder which is then renamed, so the previous checkpoint stays
     intact if the process dies mid-write. Older checkpoints beyond ``keep_last`` are deleted (0 keeps all).
@@ -180,6 +182,8 @@ def save_checkpoint(run_dir: Path, step: int, state: dict, keep_last: int = 2) -
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     torch.save(state, tmp / "state.pt")
+    if also is not None:
+        also(tmp)
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
     if keep_last > 0:

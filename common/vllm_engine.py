@@ -49,6 +49,7 @@ import torch
 
 from common.engine_base import Completion, RolloutConfig, prompt_seeds, stop_token_ids, use_fp32_head
 from common.logprobs import unwrap_model
+from common.lora import merged_view
 from common.tracking import rng_state, set_rng_state
 
 # config keys that declare a quantized checkpoint (compressed-tensors writes "compression_config"), as vLLM reads them
@@ -224,6 +225,7 @@ class VLLMEngine:
 
         Raises RuntimeError when vLLM refuses to reset the prefix cache (``reset_prefix_cache()`` returns False).
         """
+        model = merged_view(model)  # a LoRA policy: W + (α/r) B A, under the base model's names
         if "weights" in self.asleep:
             self.llm.wake_up(tags=["weights"])  # weights must be resident to be overwritten; KV may stay asleep
             self.asleep.discard("weights")

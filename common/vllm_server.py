@@ -50,6 +50,7 @@ import torch
 
 from common.engine_base import Completion, RolloutConfig, prompt_seeds, stop_token_ids
 from common.logprobs import unwrap_model
+from common.lora import merged_view
 from common.vllm_engine import _hf_named_weights
 
 
@@ -319,7 +320,7 @@ class VLLMServerEngine:
         """Push the trainer's weights to every server under a new weight version, then check that version everywhere.
         Call on every rank (FSDP2 shards are gathered collectively; rank 0 sends)."""
         self.pushes += 1
-        inner = unwrap_model(model)
+        inner = unwrap_model(merged_view(model))  # a LoRA policy: W + (α/r) B A, under the base model's names
         shm_tensors = self._gather_for_shm(inner) if "shm" in self.backends.values() else None
 
         def push() -> None:  # rank 0 drives the routes (the NCCL sender: every rank joins its gather)

@@ -35,8 +35,11 @@ def test_gpu_check_smoke(tmp_path):
     assert [r["script"] for r in by_section["scripts"]] == ["grpo", "ppo"]
     assert all(r["ok"] and r["steps"] == 3 for r in by_section["scripts"]), by_section["scripts"]
     learner = by_section["learner"]
-    assert len(learner) == 4 and all(r["tokens_per_s"] > 0 and "error" not in r for r in learner)
-    assert [r["layout"] for r in learner] == ["padded", "packed"] * 2  # each shape both ways, side by side
+    assert len(learner) == 6 and all(r["tokens_per_s"] > 0 and "error" not in r for r in learner)
+    assert [r["layout"] for r in learner] == ["padded", "packed"] * 3  # each shape both ways, side by side
+    assert [r["lora_rank"] for r in learner] == [0, 0, 0, 0, 8, 8]
+    # the LoRA rows: the planner counts a frozen base (no gradients, no AdamW moments) below full fine-tuning's
+    assert all(lora["planned_gb"] < full["planned_gb"] for lora, full in zip(learner[4:], learner[2:4]))
     assert all(r["tokens"] == 2 * 64 for r in learner)  # the same token count padded and packed
     assert all(r["planned_gb"] > 0 for r in learner)  # the memory planner's prediction beside each row
     assert by_section["generate"][0]["tokens_per_s"] > 0

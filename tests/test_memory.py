@@ -92,6 +92,32 @@ def test_which_models_each_script_loads():
     assert bf16["DDP gradient buckets"] == pytest.approx(2 * p / GB)
 
 
+def test_lora_plans_a_frozen_base_fp32_adapters_and_no_reference():
+    """Qwen2.5-Math-1.5B, rank 16 on every linear layer: adapters r x (in + out) per layer by hand (q: 1536 -> 1536,
+    k and v: 1536 -> 256, o: 1536 -> 1536, gate and up: 1536 -> 8960, down: 8960 -> 1536, 28 layers, no LM head);
+    a frozen 4-byte base, 16 bytes per adapter parameter, no reference (the adapters disabled)."""
+    h, kv, i, layers = 1536, 256, 8960, 28
+    adapters = 16 * layers * ((h + h) + 2 * (h + kv) + (h + h) + 2 * (h + i) + (i + h))
+    assert memory.lora_params(MATH_15B, 16, ("all-linear",)) == adapters
+    assert memory.lora_params(MATH_15B, 16, ("q_proj", "v_proj")) == 16 * layers * ((h + h) + (h + kv))
+    p = model_shape(MATH_15B).params
+    full = components(plan_memory(grpo_args(), MATH_15B, 1024, backend="vllm"))
+    lora = components(plan_memory(grpo_args("--lora.rank", "16"), MATH_15B, 1024, backend="vllm"))
+    assert lora["weights"] == pytest.approx((4 * p + 4 * adapters) / GB)
+    assert lora["gradients"] == pytest.approx(4 * adapters / GB)
+    assert lora["AdamW moments"] == pytest.approx(8 * adapters / GB)
+    assert lora["frozen reference"] == 0 and full["frozen reference"] == pytest.approx(4 * p / GB)
+    ppo = tyro.cli(load_algo("ppo").Args, args=["--learning-rate", "1e-6", "--lora.rank", "16"])
+    parts = components(plan_memory(ppo, MATH_15B, 1024, backend="vllm"))  # the critic stays fully trained
+    assert parts["gradients"] == pytest.approx((4 * p + 4 * adapters) / GB)
+    # the one-GPU 7B command of docs/gpu.md: full fine-tuning needs sharding, LoRA rank 16 fits on 80 GB
+    seven = str(MODEL_CONFIGS / "qwen2.5-math-7b")
+    flags = ("--rollout.enable-sleep-mode", "--gradient-checkpointing", "--max-new-tokens", "3000")
+    flags += ("--micro-batch-size", "4")
+    assert plan_memory(grpo_args(*flags), seven, 3512, card_gb=80.0, backend="vllm").needs_sharding
+    assert plan_memory(grpo_args(*flags, "--lora.rank", "16"), seven, 3512, card_gb=80.0, backend="vllm").fits
+
+
 def test_seven_b_needs_sharding_and_small_models_fit():
     seven = plan_memory(grpo_args(), str(MODEL_CONFIGS / "qwen2.5-7b"), 1024, backend="vllm")
     assert seven.needs_sharding and "FSDP2" in seven.verdict and "FSDP2" in seven.fixes[0]

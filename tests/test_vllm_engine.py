@@ -246,6 +246,25 @@ def test_embedding_only_push_reaches_tied_head(setup):
     engine.update_weights(model)
 
 
+def test_a_lora_push_moves_the_sampler_to_the_adapted_policy(setup):
+    """A LoRA policy with non-zero B (as after training): the engine receives its merged weights, and then samples
+    what the peft model computes, not the base."""
+    from common.lora import LoraConfig, apply_lora
+
+    engine, model, _, prompts = setup
+    policy = apply_lora(perturbed_copy(model, 0.0), LoraConfig(rank=8)).eval()
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, param in policy.named_parameters():
+            if "lora_B" in name:
+                param.copy_(torch.randn(param.shape, generator=g) * 0.05)
+    engine.update_weights(policy)
+    sampled = engine.generate(prompts, N, MAX_NEW, 1.0, 1.0, seed=4)
+    assert max_logprob_gap(policy, prompts, sampled, N, 1.0) < LOGPROB_TOL  # the adapted policy's log-probs
+    assert max_logprob_gap(model, prompts, sampled, N, 1.0) > 0.1  # not the base's
+    engine.update_weights(model)
+
+
 def test_weight_names_unwrapped(setup):
     _, model, _, _ = setup
     names = [name for name, _ in _hf_named_weights(Wrapped(Wrapped(model)))]

@@ -34,10 +34,11 @@ FLAGS = (
 ).split()
 
 
-def run(script: str, out_dir, *flags: str) -> subprocess.CompletedProcess:
+def run(script: str, out_dir, *flags: str, name: str = "") -> subprocess.CompletedProcess:
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1"}
     env["PYTHONPATH"] = str(REPO)
-    cmd = [sys.executable, str(REPO / "algos" / f"{script}.py"), "--output-dir", str(out_dir), "--run-name", script]
+    cmd = [sys.executable, str(REPO / "algos" / f"{script}.py"), "--output-dir", str(out_dir)]
+    cmd += ["--run-name", name or script]
     return subprocess.run([*cmd, *FLAGS, *flags], capture_output=True, text=True, env=env, timeout=900)
 
 
@@ -87,3 +88,19 @@ def test_grpo_resumes_through_vllm(runs):
     rows = [json.loads(line) for line in (out / "grpo" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows if "train/reward" in r] == [1, 2, 3]
     assert [r["step"] for r in rows if "eval/arith/mean@2" in r] == [0, 2, 3]
+
+
+def test_a_lora_run_through_vllm_samples_from_the_merged_adapters(tmp_path):
+    """grpo --lora.rank 8 for 2 steps: after each push (the merged weights W + (α/r) B A) the sampler's log-probs
+    stay as close to the trainer's (the peft model's) as in the full fine-tuning runs above; the run's final/ is the
+    merged model and final_adapter/ its adapter."""
+    result = run("grpo", tmp_path, "--lora.rank", "8", "--learning-rate", "1e-3", name="grpo-lora")
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "grpo-lora" / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in rows if "train/reward" in r]
+    assert [r["step"] for r in train] == [1, 2]
+    assert all(0 < r["train/logprob_gap"] < 0.05 for r in train), [r["train/logprob_gap"] for r in train]
+    base = load_file(REPO / "common" / "tiny_model" / "model.safetensors")
+    merged = load_file(tmp_path / "grpo-lora" / "final" / "model.safetensors")
+    assert set(merged) == set(base) and max((merged[k] - base[k]).abs().max().item() for k in base) > 0
+    assert (tmp_path / "grpo-lora" / "final_adapter" / "adapter_model.safetensors").exists()
