@@ -185,6 +185,18 @@ def test_a_script_trains_checkpoints_and_resumes_against_the_server(server, tmp_
     FINISHED[script] = final
 
 
+def test_a_lora_policy_pushes_its_merged_weights_to_the_server(server, tmp_path):
+    """grpo --lora.rank 8, fp32: after each push (the merged weights, through shared memory) the server samples what
+    the trainer's peft model computes: their log-prob gap is the fp32 engines' (the tiers' 1e-3)."""
+    flags = ("--run-name", "lora", "--total-steps", "2", "--lora.rank", "8", "--learning-rate", "1e-3", *FP32)
+    result = run_script("grpo", tmp_path, server, *flags)
+    assert result.returncode == 0, result.stderr[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "lora" / "metrics.jsonl").read_text().splitlines()]
+    gaps = [r["train/logprob_gap"] for r in rows if "train/reward" in r]
+    assert len(gaps) == 2 and max(gaps) < 1e-3, gaps
+    assert (tmp_path / "lora" / "final_adapter" / "adapter_config.json").exists()
+
+
 def test_two_trainer_processes_share_one_server(server, tmp_path):
     result = run_script("grpo", tmp_path, server, "--run-name", "two", "--total-steps", "2", nproc=2)
     assert result.returncode == 0, result.stderr[-3000:]
