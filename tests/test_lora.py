@@ -153,6 +153,9 @@ def test_a_lora_run_checkpoints_the_adapter_resumes_exactly_and_two_processes_ma
     restored = restored.state_dict()
     for name, tensor in merged.items():
         assert torch.allclose(restored[name], tensor, atol=1e-6), name
+    plain = AutoModelForCausalLM.from_pretrained(one / "final")  # what common.evaluate --model loads: no peft in it
+    assert type(plain.model.layers[0].self_attn.q_proj) is torch.nn.Linear
+    assert torch.equal(plain.model.layers[0].mlp.down_proj.weight, merged["model.layers.0.mlp.down_proj.weight"])
     assert any(not torch.equal(merged[k], v) for k, v in load_file(TINY / "model.safetensors").items())
 
     # a resume from step 2 reproduces step 3
