@@ -238,3 +238,33 @@ def test_with_lag_the_next_batch_samples_on_the_servers_while_the_trainer_trains
     else:  # from step 0 on, the next batch is on the servers while the trainer trains
         assert all(s["time/generation_overlap_s"] >= 0.3 and s["time/rollout_wait_s"] < 0.2 for s in stats[1:])
         assert [s["train/lag_max"] for s in stats] == [0, 1, 1]
+
+
+def test_with_lag_a_server_lost_during_a_batch_sampled_ahead_checkpoints_the_updated_step(stubs, tiny):
+    """--max-lag 2: batch 1 samples on the servers during step 0's training and its server fails. The push at the end
+    of step 0 collects it first: the fault is raised after the step's update (the updated state is what gets
+    checkpointed), and the checkpoint drops batch 1 and rewinds the data cursor to its prompts, which the resumed
+    run samples again from the resumed weights."""
+    from types import SimpleNamespace
+
+    from common.async_rollout import LaggedRollouts
+
+    eng = engine([stubs[0].url], tiny)
+    faults = []
+    eng.on_fault = faults.append
+    books = SimpleNamespace(cursor=0, prompt_indices=[], state={}, run=SimpleNamespace(world=1, rank=0))
+
+    def sample(step):
+        if step == 1:  # batch 0 is done on the (one-thread) sampler before batch 1 reaches the server, then it fails
+            rollouts.queue[0].request.future.result()
+            stubs[0].broken = "/v1/completions"
+        books.cursor += 1
+        return [{}], [[5, 10 + step]], rollouts.request([[5, 10 + step]], 2, 4, 1.0, 1.0, [step])
+
+    rollouts = LaggedRollouts(books, eng, sample, 2)
+    _, _, completions = rollouts.take(0)
+    assert [c.token_ids[0] for c in completions] == [10, 10]
+    with pytest.raises(SystemExit, match=f"(?s)during sampling: {stubs[0].url}/v1/completions answered 500.*--resume"):
+        rollouts.update_weights(tiny[0])
+    assert faults == [True]  # after step 0's update
+    assert rollouts.state_dict() == {"batches": [], "cursor": 1}  # batch 1 dropped, its prompts drawn again
