@@ -12,7 +12,7 @@ against the same server. Per run, from its metrics.jsonl:
 * **seconds per step**: the median of ``time/step_s`` over the steps after the first (evaluation excluded);
 * **trainer idle fraction**: sum of ``time/rollout_wait_s`` / sum of ``time/step_s`` (the trainer waiting for rollouts);
 * **held-out mean@4** at every ``--eval-every`` steps, against steps and against the samples generated so far (batches
-  are requested k - 1 steps ahead, so after step s the run has generated min(s + k - 1, steps) batches).
+  are requested k - 1 steps ahead, so after step s the run has generated s + k - 1 batches).
 
 The ratio async / sync per seed, then its mean over seeds, is the headline (aim: <= 0.65 when generation and training
 take similar time). What it predicts for GPUs: the overlap mechanism (the step becomes about max(generation, training)
@@ -57,7 +57,7 @@ def run_grpo(out: Path, name: str, model: str, dataset: str, flags: list[str]) -
     return [json.loads(line) for line in (out / name / "metrics.jsonl").read_text().splitlines()]
 
 
-def summarise(rows: list[dict], lag: int, batch: int, dataset: str, steps: int) -> dict:
+def summarise(rows: list[dict], lag: int, batch: int, dataset: str) -> dict:
     train = [r for r in rows if "time/step_s" in r]
     key = f"eval/{dataset}/mean@4"
     evals = [(r["step"], r[key]) for r in rows if key in r]
@@ -67,7 +67,7 @@ def summarise(rows: list[dict], lag: int, batch: int, dataset: str, steps: int) 
         "overlap_s": statistics.median(r["time/generation_overlap_s"] for r in train),
         "lag_max": max(r["train/lag_max"] for r in train),
         "mean4_by_step": evals,
-        "mean4_by_samples": [((min(s + lag - 1, steps) if s else 0) * batch, v) for s, v in evals],
+        "mean4_by_samples": [((s + lag - 1 if s else 0) * batch, v) for s, v in evals],
     }
 
 
@@ -109,7 +109,7 @@ def main() -> None:
                     flags += ["--total-steps", str(args.steps), "--eval-every", str(args.eval_every)]
                     flags += ["--max-lag", str(lag), *task_flags]
                     rows = run_grpo(work, f"{dataset}_k{lag}_s{seed}", model, dataset, flags)
-                    runs[str(lag)].append(summarise(rows, lag, batch, dataset, args.steps) | {"seed": seed})
+                    runs[str(lag)].append(summarise(rows, lag, batch, dataset) | {"seed": seed})
                     print(
                         f"{dataset} seed {seed} k {lag}: {runs[str(lag)][-1]['seconds_per_step']:.2f} s/step, "
                         f"idle {runs[str(lag)][-1]['idle_fraction']:.2f}",

@@ -1,11 +1,10 @@
 """Asynchronous rollouts with a fixed lag: batch s is sampled by policy version max(0, s - k + 1), k = ``--max-lag``.
 
-No batch past the run's last step is requested (``books.args.total_steps``). Versions count weight pushes: version v
-is the policy after v training steps (one push per step). The lag of a batch is (the version its step updates) -
-(the version that sampled it) = min(s, k - 1), whatever the timing, so runs and resumes are reproducible; k = 1 is
-the synchronous loop. This is PipelineRL's ``max_lag`` and AReaL's ``max_head_offpolicyness`` as a deterministic
-schedule rather than a bound (prime-rl ``max_off_policy_steps``, verl's ``staleness_threshold``, TRL's
-``AsyncGRPOTrainer`` ``max_staleness``).
+Versions count weight pushes: version v is the policy after v training steps (one push per step). The lag of a batch
+is (the version its step updates) - (the version that sampled it) = min(s, k - 1), whatever the timing, so runs and
+resumes are reproducible; k = 1 is the synchronous loop. This is PipelineRL's ``max_lag`` and AReaL's
+``max_head_offpolicyness`` as a deterministic schedule rather than a bound (prime-rl ``max_off_policy_steps``,
+verl's ``staleness_threshold``, TRL's ``AsyncGRPOTrainer`` ``max_staleness``).
 
     def sample(step):  # the script's: this step's prompts, their seeds, and the request for G samples each
         problems, prompt_ids = books.next_prompts()
@@ -124,9 +123,9 @@ class LaggedRollouts:
         batch ``step``: its problems, prompt ids and completions (waiting for them if they are still sampling)."""
         t0 = time.time()
         self.version, self.next_step = step, max(self.next_step, step)
-        # no batch past the run's last step (a run extended by --resume with more steps samples those at lag 0)
-        last = min(step + self.max_lag, getattr(getattr(self.books, "args", None), "total_steps", step + self.max_lag))
-        while self.next_step < max(last, step + 1):
+        # also past the run's last step: the final checkpoint keeps those batches, so that a run extended by --resume
+        # with more steps is the longer run exactly (the older weights that sampled them are not in the checkpoint)
+        while self.next_step < step + self.max_lag:
             cursor = self.books.cursor
             problems, prompt_ids, req = self.sample(self.next_step)
             self.queue.append(Batch(self.next_step, cursor, problems, prompt_ids, list(self.books.prompt_indices), req))

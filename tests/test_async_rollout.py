@@ -78,14 +78,6 @@ def test_batch_s_is_sampled_by_version_max_0_s_minus_k_plus_1(max_lag):
     assert books.state["rollouts"] is not None and engine.pushes == 7
 
 
-def test_no_batch_is_requested_past_the_last_step():
-    books, engine = Books(), Engine()
-    books.args = SimpleNamespace(total_steps=5)
-    rollouts = schedule(books, engine, 4)
-    train(rollouts, 5)
-    assert rollouts.next_step == 5 and not rollouts.queue and books.cursor == 10  # 5 batches of 2 prompts drawn
-
-
 def test_the_batches_sampled_ahead_are_checkpointed_and_taken_after_a_resume():
     books, engine = Books(), Engine()
     rollouts = schedule(books, engine, 3)

@@ -44,9 +44,8 @@ def read_metrics(run_dir) -> list[dict]:
 
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_script_trains_checkpoints_and_resumes(script, tmp_path):
-    """At --max-lag 2 where the script supports it (maxrl and prime refuse it): step 2 trains on a batch the base
-    model sampled. The resume extends the run by a step, whose batch was not sampled ahead (no batch past the
-    last step is): it is sampled by the resumed weights, lag 0."""
+    """At --max-lag 2 where the script supports it (maxrl and prime refuse it): steps 2 and 3 train on batches sampled
+    one version earlier; step 3's batch was sampled ahead before the first run ended and comes from its checkpoint."""
     lag = [] if script in ("maxrl", "prime") else ["--max-lag", "2"]
     first = run(script, tmp_path, "--run-name", "r", "--total-steps", "2", *lag)
     assert "SUMMARY" in first.stdout
@@ -64,7 +63,7 @@ def test_script_trains_checkpoints_and_resumes(script, tmp_path):
     assert any("eval/arith/mean@2" in r for r in rows)
     if lag:
         lags = [r["train/lag_max"] for r in train_rows]
-        assert lags == [0, 1, 0] if script != "dapo" else max(lags) <= 1, lags  # dapo: refills sampled now, lag 0
+        assert lags == [0, 1, 1] if script != "dapo" else max(lags) <= 1, lags  # dapo: refills sampled now, lag 0
         # the mismatch is measured against the recomputed old policy, never against μ itself (cispo's ratio is
         # against μ under lag; measured against μ it would read exactly 0): bf16 autocast alone gives ~4e-4
         gaps = [r["train/log_ratio_abs_mean"] for r in train_rows]
