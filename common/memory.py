@@ -115,17 +115,23 @@ class ModelShape:
 
 
 @functools.lru_cache(maxsize=32)
+def meta_model(model_path: str) -> torch.nn.Module:
+    """``model_path``'s causal LM built from its ``config.json`` on the meta device: every layer, nothing allocated."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path))
+
+
+@functools.lru_cache(maxsize=32)
 def model_shape(model_path: str) -> ModelShape:
     """The shape of ``model_path``'s model from its ``config.json`` alone (no weights, no tokenizer).
 
     Parameters are counted on a model built on the meta device (nothing allocated), so every architecture
     transformers knows is counted exactly; ``parameters()`` yields a tied embedding once.
     """
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config = AutoConfig.from_pretrained(model_path)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
+    model = meta_model(model_path)
+    config = model.config
     text = config.get_text_config()
     heads = text.num_attention_heads
     return ModelShape(
@@ -327,10 +333,7 @@ def lora_params(model_path: str, rank: int, targets: tuple[str, ...]) -> int:
     """Parameters of rank-``rank`` adapters on ``model_path``'s linear layers named ``targets`` (last name part;
     'all-linear': every linear layer but the LM head, peft's rule): r x (in + out) per layer, counted on the meta
     device."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_path))
+    model = meta_model(model_path)
     head = model.get_output_embeddings()
     total = 0
     for name, module in model.named_modules():

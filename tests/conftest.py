@@ -1,6 +1,7 @@
 """Shared test helpers: import an algorithm script as a module, offline settings, test tiers."""
 
 import importlib.util
+import json
 import os
 import socket
 import subprocess
@@ -54,6 +55,34 @@ def launch_script(script: str, args: list[str], nproc: int, timeout: int = 900) 
     result = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
     assert result.returncode == 0, result.stderr[-3000:]
     return result
+
+
+def weights(run_dir: Path, step: int | None = None, name: str = "model") -> dict:
+    """A run's final policy (``final/``) or a checkpoint's full state dict ``name`` at ``step`` (a LoRA policy's:
+    its adapters alone)."""
+    import torch
+    from safetensors.torch import load_file
+
+    if step is None:
+        return load_file(run_dir / "final" / "model.safetensors")
+    return torch.load(run_dir / "checkpoints" / f"step_{step:06d}" / "state.pt", weights_only=True)[name]
+
+
+def update_gap(base: dict, a: dict, b: dict) -> float:
+    """Relative L2 gap between the updates a - base and b - base (tied weights counted once, as saved)."""
+    import torch
+
+    keys = [k for k in base if k in a and k in b]
+    da = torch.cat([(a[k] - base[k]).flatten() for k in keys])
+    db = torch.cat([(b[k] - base[k]).flatten() for k in keys])
+    assert da.abs().max() > 1e-5, "no update to compare"
+    return ((da - db).norm() / da.norm()).item()
+
+
+def train_rows(run_dir: Path) -> list[dict]:
+    """The training rows of a run's metrics.jsonl (evaluation rows left out)."""
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in rows if "train/reward" in r]
 
 
 class _StopAtRun(Exception):

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import free_port, launch_script
+from conftest import free_port, launch_script, train_rows, update_gap, weights
 from safetensors.torch import load_file
 
 REPO = Path(__file__).resolve().parent.parent
@@ -42,27 +42,6 @@ def launch(tmp_path, name, nproc, algo="grpo", extra=()):
     layout = "not distributed" if nproc == 1 else "FSDP2-sharded" if "--fsdp" in extra else "data-parallel (DDP)"
     assert layout in result.stdout and f"{nproc} process" in result.stdout
     return result
-
-
-def weights(run_dir: Path, step: int | None = None, name: str = "model") -> dict[str, torch.Tensor]:
-    """The final policy (``final/``) or a checkpoint's full state dict ``name`` at ``step``."""
-    if step is None:
-        return load_file(run_dir / "final" / "model.safetensors")
-    return torch.load(run_dir / "checkpoints" / f"step_{step:06d}" / "state.pt", weights_only=True)[name]
-
-
-def update_gap(base: dict, a: dict, b: dict) -> float:
-    """Relative L2 gap between the updates a - base and b - base (tied weights counted once, as saved)."""
-    keys = [k for k in base if k in a and k in b]
-    da = torch.cat([(a[k] - base[k]).flatten() for k in keys])
-    db = torch.cat([(b[k] - base[k]).flatten() for k in keys])
-    assert da.abs().max() > 1e-5, "no update to compare"
-    return ((da - db).norm() / da.norm()).item()
-
-
-def train_rows(run_dir: Path) -> list[dict]:
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [r for r in rows if "train/reward" in r]
 
 
 def assert_same_steps(rows_a: list[dict], rows_b: list[dict]) -> None:

@@ -5,12 +5,11 @@ with the names found. A grpo run: checkpoints hold the adapter (PEFT's format) a
 ``final/`` is the merged model and ``final_adapter/`` loads onto the base with peft to the same weights, and two
 processes (DDP and --fsdp) give the one-process update. The vLLM push of a LoRA policy: tests/test_vllm_*.py."""
 
-import json
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import launch_script
+from conftest import launch_script, train_rows, update_gap, weights
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
@@ -120,28 +119,12 @@ def launch(tmp_path, name, nproc, *extra):
     return launch_script("grpo", ["--output-dir", str(tmp_path), "--run-name", name, *FLAGS, *extra], nproc)
 
 
-def adapter(run_dir: Path, step: int) -> dict[str, torch.Tensor]:
-    return torch.load(run_dir / "checkpoints" / f"step_{step:06d}" / "state.pt", weights_only=True)["model"]
-
-
-def train_rows(run_dir: Path) -> list[dict]:
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [r for r in rows if "train/reward" in r]
-
-
-def gap(base: dict, a: dict, b: dict) -> float:
-    da = torch.cat([(a[k] - base[k]).flatten() for k in base])
-    db = torch.cat([(b[k] - base[k]).flatten() for k in base])
-    assert da.abs().max() > 1e-5, "no update to compare"
-    return ((da - db).norm() / da.norm()).item()
-
-
 def test_a_lora_run_checkpoints_the_adapter_resumes_exactly_and_two_processes_match_one(tmp_path):
     from peft import PeftModel
 
     launch(tmp_path, "one", 1, "--total-steps", "3")
     one = tmp_path / "one"
-    saved = adapter(one, 1)
+    saved = weights(one, 1)
     assert saved and all(".lora_A." in k or ".lora_B." in k for k in saved)  # no frozen base in the checkpoint
     peft_files = sorted(p.name for p in (one / "checkpoints" / "step_000001" / "adapter").iterdir())
     assert peft_files == ["adapter_config.json", "adapter_model.safetensors"]
@@ -171,13 +154,13 @@ def test_a_lora_run_checkpoints_the_adapter_resumes_exactly_and_two_processes_ma
     assert torch.equal(
         load_file(tmp_path / "split" / "final" / "model.safetensors")["model.norm.weight"], merged["model.norm.weight"]
     )
-    assert gap(adapter(one, 1), adapter(one, 3), adapter(tmp_path / "split", 3)) < 1e-4
+    assert update_gap(weights(one, 1), weights(one, 3), weights(tmp_path / "split", 3)) < 1e-4
 
     # two processes (DDP, then FSDP2) take the one-process step on the same global batch
     launch(tmp_path, "ddp", 2, "--total-steps", "2")
     launch(tmp_path, "fsdp", 2, "--total-steps", "2", "--fsdp")
-    start = adapter(one, 1)
+    start = weights(one, 1)
     for name in ("ddp", "fsdp"):
-        g = gap(start, adapter(one, 2), adapter(tmp_path / name, 2))
+        g = update_gap(start, weights(one, 2), weights(tmp_path / name, 2))
         print(f"LoRA grpo: {name} on 2 processes vs 1, relative L2 gap of step 2's adapter update {g:.1e}")
         assert g < 1e-3
