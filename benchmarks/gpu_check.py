@@ -105,7 +105,8 @@ def environment(smoke: bool) -> dict:
         "cuda": torch.version.cuda,
         "python": platform.python_version(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "commit": commit.stdout.strip(),
+        # a copy of the tree without .git (a GPU machine's) names its commit in GPU_CHECK_COMMIT
+        "commit": commit.stdout.strip() or os.environ.get("GPU_CHECK_COMMIT", "unknown"),
         "smoke": smoke,
     }
 
@@ -436,6 +437,7 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="CPU, tiny shapes, two scripts (what CI runs)")
     parser.add_argument("--out", default="", help="output folder (default benchmarks/results/gpu, or runs/ for smoke)")
     parser.add_argument("--sections", nargs="+", default=["scripts", "learner", "generate"])
+    parser.add_argument("--scripts", nargs="+", default=[], help="the scripts section's algos (default: all of them)")
     args = parser.parse_args()
     if not args.smoke and not torch.cuda.is_available():
         raise SystemExit("no CUDA device: run on a GPU machine, or pass --smoke for the CPU check")
@@ -443,7 +445,9 @@ def main() -> None:
     report = Report(out, args.smoke)
     print(f"gpu_check: {report.env['device']}, torch {report.env['torch']}, CUDA {report.env['cuda']} -> {out}")
     if "scripts" in args.sections:
-        scripts = ["grpo", "ppo"] if args.smoke else sorted(p.stem for p in (REPO / "algos").glob("*.py"))
+        scripts = args.scripts or (
+            ["grpo", "ppo"] if args.smoke else sorted(p.stem for p in (REPO / "algos").glob("*.py"))
+        )
         with tempfile.TemporaryDirectory() as workdir:
             check_scripts(report, scripts, steps=2 if args.smoke else 5, workdir=Path(workdir))
     with tempfile.TemporaryDirectory() as workdir:
