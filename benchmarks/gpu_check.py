@@ -105,8 +105,8 @@ def environment(smoke: bool) -> dict:
         "cuda": torch.version.cuda,
         "python": platform.python_version(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        # a copy of the tree without .git (a GPU machine's) names its commit in GPU_CHECK_COMMIT
-        "commit": commit.stdout.strip() or os.environ.get("GPU_CHECK_COMMIT", "unknown"),
+        # a copy of the tree (a GPU machine's) names the commit it holds in GPU_CHECK_COMMIT
+        "commit": os.environ.get("GPU_CHECK_COMMIT") or commit.stdout.strip() or "unknown",
         "smoke": smoke,
     }
 
@@ -134,6 +134,10 @@ def markdown(env: dict, records: list[dict]) -> str:
             "attention",
             "checkpointing",
             "lora_rank",
+            "start_gb",
+            "forward_end_gb",
+            "backward_peak_gb",
+            "step_peak_gb",
             "peak_gb",
             "planned_gb",
             "ratio",
@@ -307,6 +311,28 @@ def planned_gb(
     return total / 1e9
 
 
+class PhaseMemory:
+    """CUDA memory of one training step by phase, in GB: what is allocated when it starts (``start_gb``: weights and
+    AdamW moments), the peak and the end of the forward pass (``forward_peak_gb``, ``forward_end_gb``: the saved
+    activations), the backward pass's peak and the optimizer step's peak. Empty off CUDA."""
+
+    def __init__(self, device: torch.device):
+        self.cuda, self.gb = device.type == "cuda", {}
+        if self.cuda:
+            torch.cuda.synchronize()
+            self.gb["start_gb"] = torch.cuda.memory_allocated() / 1e9
+            torch.cuda.reset_peak_memory_stats()
+
+    def mark(self, phase: str) -> None:
+        if not self.cuda:
+            return
+        torch.cuda.synchronize()
+        self.gb[f"{phase}_peak_gb"] = torch.cuda.max_memory_allocated() / 1e9
+        if phase == "forward":
+            self.gb["forward_end_gb"] = torch.cuda.memory_allocated() / 1e9
+        torch.cuda.reset_peak_memory_stats()
+
+
 def check_learner(
     report: Report, names: list[str], grid: list[tuple[int, int, bool]], smoke: bool, workdir: Path, lora: int = 0
 ) -> None:
@@ -355,7 +381,7 @@ def check_learner(
                     layout, micro_batch, seq_len, config.vocab_size, generator, device
                 )
                 completion_mask = attention_mask[:, -completion:]
-                times = []
+                times, phases, peak = [], {}, 0.0
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
                     torch.cuda.reset_peak_memory_stats()
@@ -363,6 +389,7 @@ def check_learner(
                     if device.type == "cuda":
                         torch.cuda.synchronize()
                     t0 = time.time()
+                    phase = PhaseMemory(device)
                     with torch.autocast(device.type, dtype=torch.bfloat16):
                         logprobs, _ = token_logprobs(
                             model,
@@ -374,14 +401,20 @@ def check_learner(
                             packed=layout == "packed",
                         )
                     loss = -(logprobs * completion_mask).sum() / completion_mask.sum()
+                    phase.mark("forward")
                     loss.backward()
+                    phase.mark("backward")
                     if device.type == "cuda":
                         torch.cuda.synchronize()
                     times.append(time.time() - t0)
                     optimizer.step()
+                    phase.mark("step")
                     optimizer.zero_grad(set_to_none=True)
+                    phases = phase.gb  # the last step's: AdamW's moments exist throughout it
+                    peak = max([peak, *(v for k, v in phase.gb.items() if k.endswith("_peak_gb"))])
                 if device.type == "cuda":
-                    record["peak_gb"] = torch.cuda.max_memory_allocated() / 1e9
+                    record["peak_gb"] = peak  # over all three steps and their phases
+                    record.update(phases)
                 seconds = min(times[1:])
                 tokens = int(attention_mask.sum())
                 record["tokens_per_s"] = tokens / seconds
@@ -460,7 +493,12 @@ def main() -> None:
                 check_learner(report, ["qwen2.5-0.5b", "qwen2.5-1.5b"], grid, False, Path(workdir))
                 check_learner(report, ["qwen2.5-7b"], [(1, 1024, True), (1, 4096, True)], False, Path(workdir))
                 # the one-GPU 7B LoRA plan (docs/gpu.md): rank 16 on every linear layer, gradient checkpointing
-                check_learner(report, ["qwen2.5-7b"], [(1, 4096, True)], False, Path(workdir), lora=16)
+                check_learner(
+                    report, ["qwen2.5-7b"], [(1, 1024, False), (1, 4096, True)], False, Path(workdir), lora=16
+                )
+                check_learner(
+                    report, ["qwen2.5-1.5b"], [(4, 1024, False), (4, 1024, True)], False, Path(workdir), lora=16
+                )
         if "generate" in args.sections:
             check_generation(report, "smoke" if args.smoke else "qwen2.5-0.5b", args.smoke, Path(workdir))
     failed = [r for r in report.records if r["section"] == "scripts" and not r["ok"]]
