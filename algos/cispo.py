@@ -29,7 +29,7 @@ M1 also used DAPO's dynamic sampling and length penalty; those live in dapo.py a
 CPU, offline (the defaults: the shipped tiny model on the synthetic `arith` task):
     python algos/cispo.py
 GPU, one process (lr 1e-6 as the other recipes; G = 16 as ScaleRL's CISPO runs; 16 updates per rollout as M1):
-    # planner: fits on 80 GB: 62.1 GB per GPU
+    # planner: fits on 80 GB: 59.9 GB per GPU
     python algos/cispo.py --model Qwen/Qwen2.5-Math-1.5B --dataset math --template qwen-math --rollout.backend vllm \
         --learning-rate 1e-6 --max-new-tokens 3000 --prompts-per-step 64 --group-size 16 --num-minibatches 16 \
         --micro-batch-tokens 8192 --gradient-checkpointing --eval.dataset math500 --track

@@ -32,7 +32,7 @@ Not run. 32B needs several nodes (docs/gpu.md, "Rollout servers"): 16 nodes of 8
 trainer, 64 processes sharded with --fsdp (the same command with --machine_rank 1 to 7). On 80 GB cards bf16
 autocast's weight copies (65.5 GB per GPU) leave the trainer no room: docs/dapo.md gives the fp32 alternative.
     python scripts/serve_rollout.py --model Qwen/Qwen2.5-32B --tp 8 --host 10.0.0.9 --port 8000 --max-model-len 20992
-    # planner: fits on 141 GB: 136.3 GB per GPU
+    # planner: fits on 141 GB: 125.1 GB per GPU
     accelerate launch --config_file scripts/accelerate/multi_node.yaml --num_machines 8 --num_processes 64 \
         --machine_rank 0 algos/dapo.py --fsdp --model Qwen/Qwen2.5-32B --dataset dapo17k --template dapo \
         --rollout.backend vllm-server --rollout.server-urls "$SERVERS" --rollout.server-tensor-parallel 8 \
@@ -40,7 +40,7 @@ autocast's weight copies (65.5 GB per GPU) leave the trainer no room: docs/dapo.
         --num-minibatches 16 --micro-batch-tokens 20992 --gradient-checkpointing --eval.dataset aime24 --eval.n 32 \
         --eval.top-p 0.7 --track
 Smaller GPU run (one process; Qwen2.5-Math-1.5B has a 4096-token context):
-    # planner: fits on 80 GB: 62.1 GB per GPU
+    # planner: fits on 80 GB: 59.9 GB per GPU
     python algos/dapo.py --model Qwen/Qwen2.5-Math-1.5B --dataset math --template qwen-math --rollout.backend vllm \
         --learning-rate 1e-6 --max-new-tokens 3000 --prompts-per-step 128 --group-size 8 --num-minibatches 4 \
         --micro-batch-tokens 8192 --gradient-checkpointing --eval.dataset math500 --track

@@ -40,7 +40,7 @@ GPU, the authors' settings (Qwen3-30B-A3B-Base on DAPO-Math-17k; 256 prompts x 1
         --prompts-per-step 256 --group-size 16 --num-minibatches 8 --micro-batch-size 4 --total-steps 500 \
         --eval.dataset aime24 --track
 GPU, one process (a 1.5B model; set the learning rate and token budget for the model):
-    # planner: fits on 80 GB: 62.1 GB per GPU
+    # planner: fits on 80 GB: 59.9 GB per GPU
     python algos/dppo.py --model Qwen/Qwen2.5-Math-1.5B --dataset math --template qwen-math --rollout.backend vllm \
         --learning-rate 1e-6 --max-new-tokens 3000 --prompts-per-step 128 --group-size 8 --num-minibatches 4 \
         --micro-batch-tokens 8192 --gradient-checkpointing --eval.dataset math500 --track

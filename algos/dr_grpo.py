@@ -26,7 +26,7 @@ CPU, offline (the defaults: the shipped tiny model on the synthetic `arith` task
     python algos/dr_grpo.py
 GPU, one process (the paper's Qwen2.5-Math-1.5B recipe: MATH levels 3-5, Qwen-Math template, lr 1e-6, G = 8,
 3000 tokens, 128 prompts per rollout, 8 optimiser steps per rollout):
-    # planner: fits on 80 GB: 62.1 GB per GPU
+    # planner: fits on 80 GB: 59.9 GB per GPU
     python algos/dr_grpo.py --model Qwen/Qwen2.5-Math-1.5B --dataset math:3-5 --template qwen-math \
         --rollout.backend vllm --learning-rate 1e-6 --max-new-tokens 3000 --prompts-per-step 128 --group-size 8 \
         --num-minibatches 8 --micro-batch-tokens 8192 --gradient-checkpointing --eval.dataset math500 --track

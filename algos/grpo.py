@@ -19,7 +19,7 @@ reference model at all).
 CPU, offline (the defaults: the shipped tiny model on the synthetic `arith` task, ~1 s per step):
     python algos/grpo.py
 GPU, one process (vLLM colocated with the trainer; set the learning rate and token budget for the model):
-    # planner: fits on 80 GB: 68.3 GB per GPU
+    # planner: fits on 80 GB: 66.0 GB per GPU
     python algos/grpo.py --model Qwen/Qwen2.5-Math-1.5B --dataset math --template qwen-math --rollout.backend vllm \
         --learning-rate 1e-6 --max-new-tokens 3000 --prompts-per-step 128 --group-size 8 --num-minibatches 4 \
         --micro-batch-tokens 8192 --gradient-checkpointing --eval.dataset math500 --track

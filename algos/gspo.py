@@ -35,7 +35,7 @@ Relative to grpo.py this file changes:
 CPU, offline (the defaults: the shipped tiny model on the synthetic `arith` task):
     python algos/gspo.py
 GPU, one process (the paper's clip range and 4 mini-batches; lr and token budget for the model):
-    # planner: fits on 80 GB: 62.1 GB per GPU
+    # planner: fits on 80 GB: 59.9 GB per GPU
     python algos/gspo.py --model Qwen/Qwen2.5-Math-1.5B --dataset math --template qwen-math --rollout.backend vllm \
         --learning-rate 1e-6 --max-new-tokens 3000 --prompts-per-step 128 --group-size 8 --num-minibatches 4 \
         --micro-batch-tokens 8192 --gradient-checkpointing --clip-eps-low 3e-4 --clip-eps-high 4e-4 \

@@ -35,7 +35,7 @@ on its 200 problems after 60 steps, seeds 1-3 (benchmarks/results/teacher): GRPO
 GPU, sharded over one node of 8 (paper: Qwen2.5-Math-7B with a 16k context, OpenR1 traces, lr 1e-6, 128 prompts x
 (7+1), 8k tokens, 2 updates per batch; packed, checkpointed, vLLM asleep during the update; add --no-on-policy-clip
 to match the released train.sh):
-    # planner: fits on 80 GB: 61.2 GB per GPU
+    # planner: fits on 80 GB: 52.7 GB per GPU
     accelerate launch --config_file scripts/accelerate/fsdp2.yaml algos/luffy.py --fsdp \
         --model Elliott/Qwen2.5-Math-7B-16k-think --dataset openr1-luffy --template qwen-math --rollout.backend vllm \
         --rollout.enable-sleep-mode --learning-rate 1e-6 --max-new-tokens 8192 --max-prompt-tokens 1024 \

@@ -27,7 +27,7 @@ CPU, offline (the defaults: the shipped tiny model on the synthetic `arith` task
 GPU, sharded over two nodes of 8 (ORZ §3.1: actor lr 1e-6, critic lr 5e-6, 128 prompts x 64 samples, 1 policy step
 and 12 critic steps per rollout, AdamW β2 0.95, 50 warm-up steps; ORZ generates up to 8000 tokens; packed,
 checkpointed, vLLM asleep during the update; the second node runs the same command with --machine_rank 1):
-    # planner: fits on 80 GB: 76.5 GB per GPU
+    # planner: fits on 80 GB: 67.7 GB per GPU
     accelerate launch --config_file scripts/accelerate/multi_node.yaml --machine_rank 0 algos/ppo.py --fsdp \
         --model Qwen/Qwen2.5-7B --dataset math --template r1-zero --rollout.backend vllm --rollout.enable-sleep-mode \
         --learning-rate 1e-6 --critic-learning-rate 5e-6 --adam-beta2 0.95 --warmup-steps 50 --max-new-tokens 8000 \

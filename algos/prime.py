@@ -30,7 +30,7 @@ CPU, offline (the defaults: the shipped tiny model on the synthetic `arith` task
 GPU, sharded over two nodes of 8 (PRIME's run script: policy lr 5e-7, PRM lr 1e-6, 256 prompts x 4, 3072 tokens,
 4 policy/PRM steps per batch; packed, checkpointed, vLLM asleep during the update; one colocated engine per rank;
 the second node runs the same command with --machine_rank 1):
-    # planner: fits on 80 GB: 71.7 GB per GPU
+    # planner: fits on 80 GB: 65.7 GB per GPU
     accelerate launch --config_file scripts/accelerate/multi_node.yaml --machine_rank 0 algos/prime.py --fsdp \
         --model PRIME-RL/Eurus-2-7B-SFT --dataset eurus2-rl --template qwen-math --track --rollout.backend vllm \
         --rollout.enable-sleep-mode --learning-rate 5e-7 --prm-learning-rate 1e-6 --warmup-steps 0 --group-size 4 \

@@ -29,7 +29,7 @@ CPU, offline (the defaults: the shipped tiny model on the synthetic `arith` task
     python algos/rloo.py
 GPU, one process (the paper's §C as TRL's paper index quotes it: 512 sequences per optimiser step, 2 steps per
 rollout, k = 4, lr 1e-6; the token budget is for math, the paper's tasks were RLHF; --kl-coef 0.03 adds its KL):
-    # planner: fits on 80 GB: 62.1 GB per GPU
+    # planner: fits on 80 GB: 59.9 GB per GPU
     python algos/rloo.py --model Qwen/Qwen2.5-Math-1.5B --dataset math --template qwen-math --rollout.backend vllm \
         --learning-rate 1e-6 --max-new-tokens 3000 --prompts-per-step 256 --group-size 4 --num-minibatches 2 \
         --micro-batch-tokens 8192 --gradient-checkpointing --eval.dataset math500 --track

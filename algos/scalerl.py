@@ -37,7 +37,7 @@ Relative to cispo.py this file changes:
 CPU, offline (the defaults: the shipped tiny model on the synthetic `arith` task):
     python algos/scalerl.py
 GPU, one process (G = 16 and 48 prompts per batch as ScaleRL's 768-sample batches; lr and token budget for the model):
-    # planner: fits on 80 GB: 62.1 GB per GPU
+    # planner: fits on 80 GB: 59.9 GB per GPU
     python algos/scalerl.py --model Qwen/Qwen2.5-Math-1.5B --dataset math --template qwen-math \
         --rollout.backend vllm --learning-rate 1e-6 --max-new-tokens 3000 --prompts-per-step 48 --group-size 16 \
         --micro-batch-tokens 8192 --gradient-checkpointing --max-lag 8 --eval.dataset math500 --track

@@ -243,13 +243,16 @@ LAYOUTS = ("padded", "packed")  # each learner shape runs both ways, at the same
 
 
 def sequence_lengths(layout: str, micro_batch: int, seq_len: int) -> list[int]:
-    """The sequences of one learner micro-batch, ``micro_batch`` x ``seq_len`` tokens either way. padded:
-    ``micro_batch`` rows of ``seq_len``. packed: the same tokens as sequences of unequal length, as a long-tailed
-    batch packs them (``--micro-batch-tokens``): ``micro_batch`` of 3/4 ``seq_len`` and ``micro_batch`` of the rest."""
+    """The sequences of one learner micro-batch, ``micro_batch`` x ``seq_len`` - 1 tokens either way. The missing
+    token leaves the padded rows one pad position, so that the model builds its attention mask as it does for the
+    scripts' rows (with no padding anywhere it would skip the mask). padded: ``micro_batch`` rows of ``seq_len``
+    positions, the last sequence a token short. packed: the same tokens as sequences of unequal length, as a
+    long-tailed batch packs them (``--micro-batch-tokens``): ``micro_batch`` of 3/4 ``seq_len`` and ``micro_batch``
+    of the rest, the last a token short."""
     if layout == "padded":
-        return [seq_len] * micro_batch
+        return [seq_len] * (micro_batch - 1) + [seq_len - 1]
     long = 3 * seq_len // 4
-    return [long] * micro_batch + [seq_len - long] * micro_batch
+    return [long] * micro_batch + [seq_len - long] * (micro_batch - 1) + [seq_len - long - 1]
 
 
 def prompt_tokens(length: int) -> int:
@@ -265,8 +268,11 @@ def learner_batch(
     them out (``[left-padded prompt | right-padded completion]``, ``common.bookkeeping.pack_rollout``); packed rows
     go to ``token_logprobs(..., packed=True)``, which runs them as one flat row of all their tokens."""
     lengths = sequence_lengths(layout, micro_batch, seq_len)
-    prompts = [prompt_tokens(n) for n in lengths]
+    # padded: every row's prompt a full row's, so the short sequence's pad is the last row's last position
+    prompts = [prompt_tokens(seq_len if layout == "padded" else n) for n in lengths]
     prompt_width, completion_width = max(prompts), max(n - p for n, p in zip(lengths, prompts))
+    if layout == "padded":
+        completion_width = seq_len - prompt_width
     input_ids = torch.randint(
         0, vocab, (len(lengths), prompt_width + completion_width), generator=generator, device=device
     )
@@ -285,30 +291,41 @@ def planned_gb(
     layout: str = "padded",
     attention: str = "sdpa",
     lora: int = 0,
-) -> float:
-    """The memory planner's prediction for this learner probe, from its own component formulas (common/memory.py):
-    fp32 weights, gradients and AdamW moments (16 bytes per parameter), the bf16 autocast copies (2 bytes), the
-    activations of one micro-batch and the chunked fp32 log-prob head. CUDA's context and vLLM are not in the probe,
-    so they are not in the prediction either. Padded rows: a ``seq_len``-wide mask row per token; packed: one flat
-    row, under sdpa a (tokens x tokens) block-diagonal mask, under flash-attention's varlen path none. ``lora``: the
-    rank of adapters on every linear layer (``--lora.rank``), the base frozen."""
+) -> dict[str, float]:
+    """The memory planner's prediction for this learner probe by phase (``memory.update_phases``, in GB), from its
+    own component formulas (common/memory.py): fp32 weights and AdamW moments resident, the gradients, the bf16
+    autocast copies (2 bytes), the saved activations of one micro-batch and the chunked fp32 log-prob head. CUDA's
+    context and vLLM are not in the probe, so they are not in the prediction either. Padded rows: a
+    ``seq_len``-wide mask row per token; packed: one flat row, under sdpa a (tokens x tokens) block-diagonal mask,
+    under flash-attention's varlen path none. ``lora``: the rank of adapters on every linear layer (``--lora.rank``),
+    the base frozen."""
     from common import memory
 
     shape = memory.model_shape(str(config_dir))
     lengths = sequence_lengths(layout, micro_batch, seq_len)
     tokens, completion_tokens = sum(lengths), sum(n - prompt_tokens(n) for n in lengths)
     if layout == "padded":
-        mask_len = seq_len  # every row full: no left padding
+        tokens, mask_len = micro_batch * seq_len, seq_len  # rows of seq_len positions, pads included
     else:
         mask_len = 0 if attention.startswith("flash_attention") else tokens
-    total = (16 + (2 if bf16 else 0)) * shape.params
-    if lora:  # a frozen fp32 base (4 bytes) and fp32 adapters with gradients and AdamW moments (16 bytes)
-        total = (4 + (2 if bf16 else 0)) * shape.params + 16 * memory.lora_params(
-            str(config_dir), lora, ("all-linear",)
-        )
-    total += memory.activation_bytes(shape, tokens, mask_len, completion_tokens, bf16, checkpointing)
-    total += memory.logprob_head_bytes(shape, completion_tokens)
-    return total / 1e9
+    p = shape.params
+    trained = 4 * (memory.lora_params(str(config_dir), lora, ("all-linear",)) if lora else p)
+    resident = 3 * trained + (4 * p if lora else 0)  # weights and AdamW moments; LoRA: the frozen fp32 base too
+    copies = 0.0
+    if bf16:
+        copies = 2 * p if not lora else (2 * p / shape.layers if checkpointing else 2 * p)
+    saved = memory.saved_bytes(shape, tokens, mask_len, completion_tokens, bf16, checkpointing)
+    active = memory.activation_bytes(shape, tokens, mask_len, completion_tokens, bf16, checkpointing)
+    phases = memory.update_phases(
+        resident,
+        trained,
+        copies,
+        saved,
+        active - saved,
+        memory.logprob_head_bytes(shape, completion_tokens),
+        0.0 if lora else shape.vocab * shape.hidden * 4,
+    )
+    return {phase: b / 1e9 for phase, b in phases.items()}
 
 
 class PhaseMemory:
@@ -359,9 +376,9 @@ def check_learner(
                 "checkpointing": checkpointing,
                 "lora_rank": lora,
             }
-            record["planned_gb"] = planned_gb(
-                folder, micro_batch, seq_len, checkpointing, True, layout, attention, lora
-            )
+            planned = planned_gb(folder, micro_batch, seq_len, checkpointing, True, layout, attention, lora)
+            record["planned_gb"] = max(planned.values())
+            record.update({f"planned_{phase}_gb": gb for phase, gb in planned.items()})
             model = optimizer = None
             try:
                 with device:  # random weights built on the device: a 7B init on the host would take minutes

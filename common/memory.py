@@ -215,6 +215,38 @@ def logprob_head_bytes(shape: ModelShape, completion_tokens: int) -> float:
     return 4 * min(LOGPROB_CHUNK, completion_tokens) * shape.vocab * 4
 
 
+def update_phases(
+    resident: float,
+    gradients: float,
+    copies: float,
+    saved: float,
+    recomputed: float,
+    head: float,
+    head_gradient: float,
+    transient: float = 0.0,
+) -> dict[str, float]:
+    """Bytes at the three moments of an optimiser step that can hold its peak (measured phase by phase on an H100,
+    ``benchmarks/gpu_check.py``'s learner rows):
+
+    * ``forward``: the log-prob head's backward, which runs first: every saved activation is still held, the head's
+      chunk buffers are live and only the LM head's weight gradient exists. Without checkpointing the autocast
+      copies are held too (the graph keeps them); with it they go when the forward's autocast region ends, but they
+      were held beside the growing saved inputs during the forward, so they are counted either way.
+    * ``backward``: its end, every gradient allocated, and the embedding's gradient being added into the LM head's
+      when they are tied (two more head-sized buffers); with checkpointing the layers' saved inputs and one
+      recomputed layer are counted as if they outlived the gradients (an upper bound: they are freed as it goes).
+    * ``step``: AdamW (``torch.optim.AdamW``, foreach on CUDA) allocates one temporary as large as the trained
+      state's gradients (its ``_foreach_sqrt`` of the second moments) beside the gradients.
+
+    ``resident``: what stays throughout (weights, moments, frozen copies, a sleeping engine, CUDA's context);
+    ``gradients``: the trained parameters' gradients; ``transient``: gathered FSDP units (forward and backward)."""
+    return {
+        "forward": resident + copies + saved + head + head_gradient + transient,
+        "backward": resident + gradients + saved + recomputed + 2 * head_gradient + transient,
+        "step": resident + 2 * gradients,
+    }
+
+
 def longest_sequence(args, max_model_len: int) -> int:
     """The longest training sequence: prompt budget + ``--max-new-tokens`` (``max_model_len`` holds the larger of
     the training and evaluation token budgets; ``common.runtime.context_budget``)."""
@@ -285,7 +317,7 @@ class MemoryPlan:
     params: int
     components: list[tuple[str, float]]  # (label, bytes), in the order printed
     rollout_peak: float  # bytes while the engine samples
-    update_peak: float  # bytes during the optimiser's forward/backward
+    update_peak: float  # bytes during the update: the largest of its phases (``update_phases``)
     card: float  # bytes the plan is judged against
     trainer_state: float  # trained models' state plus frozen copies: what sharding would have to divide
     world: int = 1
@@ -439,16 +471,22 @@ def plan_memory(
         ("gradients", state),
         ("AdamW moments", 2 * state),
     ]
-    if world > 1 and not fsdp:
-        buckets = n_full * wbytes * p + 4 * adapters
+    buckets = n_full * wbytes * p + 4 * adapters if world > 1 and not fsdp else 0.0
+    if buckets:
         components.append((f"DDP gradient buckets ({world} processes, each a replica)", buckets))
     components.append(("frozen reference", wbytes * p / shards * on_gpu if has_ref else 0.0))
+    gathered_units = 0.0
     if fsdp:  # gathered units: the root kept from forward to backward, ~2 layers (prefetch); weights and gradients
         root = shape.vocab * shape.hidden * (1 if shape.tied else 2) + shape.hidden
-        gathered = 2 * wbytes * (root + 2 * (p - root) / shape.layers)
-        components.append(("FSDP gathered units (root + 2 layers, weights and gradients)", gathered))
+        gathered_units = 2 * wbytes * (root + 2 * (p - root) / shape.layers)
+        components.append(("FSDP gathered units (root + 2 layers, weights and gradients)", gathered_units))
     trainer_state = sum(b for _, b in components)
-    copies = n_trained * 2 * p if autocast else 0.0
+    components.append(("AdamW step temporary (foreach, one gradient-sized buffer)", state))
+    ckpt = args.gradient_checkpointing
+    # autocast caches the bf16 cast of every trainable weight for the whole forward; a frozen LoRA base's casts
+    # are not cached, only saved for backward, so under checkpointing one layer's are live at a time
+    frozen_copies = (2 * p / shape.layers if ckpt else 2 * p) if adapters else 0.0
+    copies = (n_full * 2 * p + frozen_copies) if autocast else 0.0
     components.append(("bf16 autocast weight copies", copies))
     bf16_act = autocast or bf16_weights
     act = activation_bytes(shape, tokens, mask_len, completion_tokens, bf16_act, False)
@@ -458,7 +496,8 @@ def plan_memory(
     head = logprob_head_bytes(shape, completion_tokens)
     chunk = min(LOGPROB_CHUNK, completion_tokens)
     components.append((f"log-prob head chunk ({chunk} tokens x {shape.vocab} fp32 x 4)", head))
-    used_act = act_ckpt if args.gradient_checkpointing else act
+    saved = saved_bytes(shape, tokens, mask_len, completion_tokens, bf16_act, ckpt)
+    head_gradient = 0.0 if adapters else shape.vocab * shape.hidden * wbytes / shards  # the LM head's weight
     engine_weights = engine_share = 0.0
     if backend == "vllm":
         share = engine_share = args.rollout.gpu_memory_utilization * card
@@ -486,7 +525,17 @@ def plan_memory(
     components.append(("CUDA context and workspaces", overhead))
     resident = 3 * state + frozen + (wbytes * p if has_ref else 0.0) / shards * on_gpu + overhead
     rollout_peak = resident + rollout_engine
-    update_peak = trainer_state + overhead + copies + used_act + head + update_engine
+    phases = update_phases(
+        resident + buckets + update_engine,
+        state,
+        copies,
+        saved,
+        act_ckpt - saved if ckpt else 0.0,
+        head,
+        head_gradient,
+        gathered_units,
+    )
+    update_peak = max(phases.values())
     plan = MemoryPlan(
         model=model_path,
         params=p,

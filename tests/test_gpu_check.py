@@ -56,13 +56,15 @@ def test_packed_learner_rows_hold_the_padded_rows_token_counts(micro_batch, seq_
         for layout in gpu_check.LAYOUTS
     }
     (ids, mask, width), (packed_ids, packed_mask, packed_width) = batches["padded"], batches["packed"]
-    # padded: micro_batch full rows of seq_len, the first min(512, seq_len // 4) tokens prompt (as before packing)
-    assert mask.shape == ids.shape == (micro_batch, seq_len) and bool(mask.all())
-    assert width == seq_len - min(512, seq_len // 4)
-    # packed: the same tokens, as 2 x micro_batch sequences of 3/4 and 1/4 the length
+    # padded: micro_batch rows of seq_len, the first min(512, seq_len // 4) tokens prompt (as before packing), and
+    # one pad position, the last row's last, so that the model builds its attention mask as for the scripts' rows
+    assert mask.shape == ids.shape == (micro_batch, seq_len) and width == seq_len - min(512, seq_len // 4)
+    assert mask.flatten().tolist() == [1] * (micro_batch * seq_len - 1) + [0]
+    # packed: the same tokens, as 2 x micro_batch sequences of 3/4 and 1/4 the length, the last a token short
     long, short = 3 * seq_len // 4, seq_len - 3 * seq_len // 4
-    assert sorted(packed_mask.sum(-1).tolist()) == sorted([long] * micro_batch + [short] * micro_batch)
-    assert int(packed_mask.sum()) == int(mask.sum()) == micro_batch * seq_len
+    expected = [long] * micro_batch + [short] * (micro_batch - 1) + [short - 1]
+    assert sorted(packed_mask.sum(-1).tolist()) == sorted(expected)
+    assert int(packed_mask.sum()) == int(mask.sum()) == micro_batch * seq_len - 1
     # rows as the scripts lay them out: [left-padded prompt | right-padded completion], a prompt of >= 1 token
     prompt_width = packed_mask.shape[1] - packed_width
     for row, n in zip(packed_mask, packed_mask.sum(-1).tolist()):
@@ -71,5 +73,7 @@ def test_packed_learner_rows_hold_the_padded_rows_token_counts(micro_batch, seq_
         assert row[prompt_width:].tolist() == [1] * (n - p) + [0] * (packed_width - n + p)
     # what token_logprobs(..., packed=True) gives the model: one flat row of all the padded rows' tokens
     layout = model_layout(packed_ids, packed_mask, packed_width, packed=True)
-    assert tuple(layout.inputs["input_ids"].shape) == (1, micro_batch * seq_len)
-    assert tuple(model_layout(ids, mask, width, packed=False).inputs["input_ids"].shape) == (micro_batch, seq_len)
+    assert tuple(layout.inputs["input_ids"].shape) == (1, micro_batch * seq_len - 1)
+    # padded: the rows as they are; one row alone loses its pad column (no row needs it), as a script's would
+    padded_width = seq_len if micro_batch > 1 else seq_len - 1
+    assert tuple(model_layout(ids, mask, width, packed=False).inputs["input_ids"].shape) == (micro_batch, padded_width)
