@@ -1,6 +1,6 @@
 """One command that checks the GPU path on a GPU: the scripts on CUDA, then measured memory and throughput.
 
-    python benchmarks/gpu_check.py              # on a CUDA machine (~15 minutes on one H100, estimated), no network
+    python benchmarks/gpu_check.py              # on a CUDA machine (~10 minutes on one H100), no network
     python benchmarks/gpu_check.py --smoke      # the same code on the CPU with tiny shapes (CI, under 2 minutes)
 
 Sections, each written to disk as soon as it is measured (a cut-off run keeps what it measured):

@@ -20,7 +20,8 @@ embeddings once) and the run's flags. Per GPU, with P parameters per model:
   adapters disabled. A critic or PRM stays fully trained. Activations are planned as without LoRA (the adapters'
   own, r values per token and layer, are not counted).
 * bf16 autocast weight copies: ~2P per trained model (autocast caches the bf16 cast of every weight a matmul uses;
-  the autograd graph holds them until the backward pass). On by default on CUDA (``--mixed-precision auto``).
+  the autograd graph holds them until the backward pass). A frozen LoRA base's casts are not cached, only saved for
+  backward: 2P without checkpointing, one layer's with it. On by default on CUDA (``--mixed-precision auto``).
 * the rollout engine: vLLM takes ``gpu_memory_utilization`` x the card (its bf16 weights and KV cache). With tensor
   parallelism 1 (the only layout built) every GPU's engine holds the whole model's bf16 weights (2P, sharded or not):
   when no share leaves the trainer room for them (32B-class models), the verdict says vLLM cannot colocate. With
@@ -49,10 +50,15 @@ embeddings once) and the run's flags. Per GPU, with P parameters per model:
 * the log-prob head's chunk (``common/logprobs.py``): ``LOGPROB_CHUNK`` completion tokens (or all of them, when
   fewer) x vocab fp32 logits and their log-softmax, and in the backward pass their two gradients: 4 such buffers at
   the peak, whatever the number of rows, padded or packed.
+* AdamW's step: ``torch.optim.AdamW`` (foreach, the CUDA default) allocates one temporary as large as the trained
+  state's gradients while they are allocated.
 * ``CUDA_OVERHEAD_GB`` for the CUDA context, cuBLAS/NCCL workspaces and allocator slack.
 
 The peak is the larger of the rollout phase (engine awake; no gradients, activations or autocast copies) and the
-update phase. A plan does not fit when its peak exceeds the card. Nothing algorithmic lives here.
+update phase, whose own peak is the largest of its three moments (``update_phases``: the head's backward, the
+backward's end, AdamW's step), as measured phase by phase on an H100 (``benchmarks/gpu_check.py``; 0.86 to 1.01 of
+the plan over its 38 learner probes, benchmarks/results/gpu/). A plan does not fit when its peak exceeds the card.
+Nothing algorithmic lives here.
 
 Rollout servers (``scripts/serve_rollout.py``), per server GPU, judged against the same card: vLLM takes
 ``gpu_memory_utilization`` x the card (``--rollout.gpu-memory-utilization``; left at its colocated default, 0.35, it

@@ -77,3 +77,28 @@ def test_packed_learner_rows_hold_the_padded_rows_token_counts(micro_batch, seq_
     # padded: the rows as they are; one row alone loses its pad column (no row needs it), as a script's would
     padded_width = seq_len if micro_batch > 1 else seq_len - 1
     assert tuple(model_layout(ids, mask, width, packed=False).inputs["input_ids"].shape) == (micro_batch, padded_width)
+
+
+def test_the_planner_holds_the_committed_h100_measurements():
+    """benchmarks/results/gpu/results.json (one H100, 2026-11-24): every learner probe that ran peaked at 0.85 to
+    1.02 of what the planner now plans for it, and every probe that ran out of memory is planned above the card."""
+    gpu_check = load_gpu_check()
+    results = json.loads((REPO / "benchmarks" / "results" / "gpu" / "results.json").read_text())
+    card_gb = results["env"]["gpu_memory_gb"]
+    rows = [r for r in results["records"] if r["section"] == "learner"]
+    assert len(rows) >= 40 and sum("peak_gb" in r for r in rows) >= 30
+    for r in rows:
+        folder = gpu_check.CONFIGS / r["model"]
+        planned = max(
+            gpu_check.planned_gb(
+                folder, r["micro_batch"], r["seq_len"], r["checkpointing"], True, r["layout"], "sdpa", r["lora_rank"]
+            ).values()
+        )
+        where = f"{r['model']} {r['layout']} {r['micro_batch']} x {r['seq_len']}"
+        where += f" checkpointing={r['checkpointing']} lora={r['lora_rank']}"
+        if "peak_gb" in r:
+            assert 0.85 <= r["peak_gb"] / planned <= 1.02, (
+                f"{where}: measured {r['peak_gb']:.1f} GB, planned {planned:.1f}"
+            )
+        else:
+            assert r["error"].startswith("OOM") and planned > card_gb, f"{where}: planned {planned:.1f} GB ran out"

@@ -423,3 +423,26 @@ def test_a_gpu_run_that_does_not_fit_stops_before_loading_unless_overridden():
 def test_cpu_runs_are_not_planned(monkeypatch):
     monkeypatch.setattr(memory, "plan_memory", lambda *a, **k: pytest.fail("a CPU run must not plan"))
     memory.check_memory_plan(grpo_args(), "tiny", 552, world=1, on_gpu=False)
+
+
+def test_the_update_peaks_at_adamw_step_when_activations_are_small():
+    """Qwen2.5-Math-1.5B, one row of 768 tokens with checkpointing, vLLM awake: the peak is AdamW's step, by hand
+    12P (fp32 weights and moments) + 4P (the reference) + 4P (gradients) + 4P (foreach's temporary) + vLLM's 28 GB
+    + 1 GB of CUDA context, as measured on an H100 (20P at 1.5B: 30.95 GB, benchmarks/results/gpu/)."""
+    p = 1_543_714_304
+    args = grpo_args("--micro-batch-size", "1", "--max-new-tokens", "256", "--gradient-checkpointing")
+    plan = plan_memory(args, MATH_15B, 768, card_gb=80.0, backend="vllm")
+    assert plan.update_peak == pytest.approx(24 * p + 28e9 + 1e9)
+    # without the reference and with LoRA (rank 16, adapters only are trained): the step holds the frozen 4P base,
+    # and the forward (the head's buffers, one layer's bf16 casts of the frozen base) is now the larger moment
+    lora = plan_memory(
+        grpo_args(
+            "--lora.rank", "16", "--micro-batch-size", "1", "--max-new-tokens", "256", "--gradient-checkpointing"
+        ),
+        MATH_15B,
+        768,
+        card_gb=80.0,
+        backend="vllm",
+    )
+    assert components(lora)["bf16 autocast weight copies"] == pytest.approx(2 * p / 28 / GB)
+    assert lora.update_peak < plan.update_peak - 18 * p
