@@ -11,6 +11,19 @@ the same for every claim and fixed here before any judging run:
     not reproduced d + 2 SE < min_effect                         the data exclude an effect of the smallest size
     inconclusive   otherwise                                     (a wrong-direction effect counts as not reproduced)
 
+An *equivalence* claim ("B costs nothing against A": ``test = "noninferior"``) uses a non-inferiority test instead,
+its margin fixed by one rule before any design run (``noninferiority_margin``), so that it cannot be chosen to pass:
+
+    margin         min(0.02, gain / 4)                           gain: the control arm's mean base-to-final gain of
+                                                                 the metric (final minus step-0 value, per seed)
+    reproduced     d - 2 SE > -margin                            the data exclude a loss as large as the margin
+    not reproduced d + 2 SE < -margin                            the data exclude a loss smaller than the margin
+    inconclusive   otherwise
+
+A mechanism gate (``gate = {metric, reduce, min}``, optional) names a quantity that must reach ``min`` in every run
+of both arms for the mechanism to have acted (e.g. the share of tokens the upper clip binds on); a claim whose gate
+fails is judged "not testable here", never "not reproduced".
+
 Reductions of one run's rows (``steps = [lo, hi]`` bounds the steps used, inclusive):
 
     final    the metric's value in the last row that logs it (evaluation metrics: the final evaluation)
@@ -79,6 +92,49 @@ def paired_test(treatment: dict[int, float], control: dict[int, float], directio
     return out
 
 
+NONINFERIORITY_MARGIN_CAP = 0.02  # held-out mean@n: the largest loss an equivalence claim may tolerate
+NONINFERIORITY_GAIN_SHARE = 0.25  # ... and never more than a quarter of what the control arm learns
+
+
+def noninferiority_margin(control_gains: list[float]) -> float:
+    """The pre-registered margin: min(0.02, a quarter of the control arm's mean base-to-final gain)."""
+    if not control_gains:
+        raise ValueError("the non-inferiority margin needs the control arm's base-to-final gains")
+    return min(NONINFERIORITY_MARGIN_CAP, NONINFERIORITY_GAIN_SHARE * statistics.mean(control_gains))
+
+
+def noninferiority_test(treatment: dict[int, float], control: dict[int, float], margin: float) -> dict:
+    """Per seed d = treatment - control (higher is better); see the module docstring. ``margin`` > 0."""
+    if margin <= 0:
+        raise ValueError(f"a non-inferiority margin must be > 0, got {margin} (the control arm did not learn)")
+    seeds = sorted(set(treatment) & set(control))
+    diffs = [treatment[s] - control[s] for s in seeds]
+    out = {"n": len(seeds), "seeds": seeds, "diffs": diffs, "effect": None, "se": None, "verdict": "inconclusive"}
+    out["margin"] = margin
+    if len(diffs) < 2:
+        out["verdict"] = "not enough seeds"
+        return out
+    effect, se = statistics.mean(diffs), statistics.stdev(diffs) / math.sqrt(len(diffs))
+    out |= {"effect": effect, "se": se}
+    if effect - 2 * se > -margin:
+        out["verdict"] = "reproduced"
+    elif effect + 2 * se < -margin:
+        out["verdict"] = "not reproduced"
+    return out
+
+
+def gate_passes(claim: dict, runs: list[dict]) -> bool | None:
+    """Whether every run of both arms reaches the claim's mechanism gate (None: the claim has no gate)."""
+    gate = claim.get("gate")
+    if not gate:
+        return None
+    arms = [r for r in runs if r["label"] in (claim["treatment"], claim["control"])]
+    seeds = set(claim.get("seeds", []))
+    arms = [r for r in arms if not seeds or r["seed"] in seeds]
+    values = [reduce_run(r["rows"], gate["metric"], gate["reduce"], gate) for r in arms]
+    return bool(values) and all(v is not None and v >= gate["min"] for v in values)
+
+
 def judge(claim: dict, runs: list[dict]) -> dict:
     """Apply one claim's test to the collected runs (each with label, seed, rows)."""
     arms = {}
@@ -92,8 +148,21 @@ def judge(claim: dict, runs: list[dict]) -> dict:
     seeds = set(claim.get("seeds", []))
     if seeds:  # only the judging seeds count
         arms = {arm: {s: v for s, v in values.items() if s in seeds} for arm, values in arms.items()}
-    result = paired_test(arms["treatment"], arms["control"], claim["direction"], claim["min_effect"])
-    return result | {"treatment": arms["treatment"], "control": arms["control"]}
+    if claim.get("test", "superior") == "noninferior":
+        gains = [
+            reduce_run(r["rows"], claim["metric"], "final", claim) - base
+            for r in runs
+            if r["label"] == claim["control"]
+            and r["seed"] in arms["control"]
+            and (base := next((row[claim["metric"]] for row in r["rows"] if claim["metric"] in row), None)) is not None
+        ]
+        result = noninferiority_test(arms["treatment"], arms["control"], noninferiority_margin(gains))
+    else:
+        result = paired_test(arms["treatment"], arms["control"], claim["direction"], claim["min_effect"])
+    gate = gate_passes(claim, runs)
+    if gate is False:
+        result["verdict"] = "not testable here"
+    return result | {"treatment": arms["treatment"], "control": arms["control"], "gate": gate}
 
 
 def describe_test(claim: dict) -> str:
@@ -106,11 +175,19 @@ def describe_test(claim: dict) -> str:
             f"mean over steps {claim.get('early', ['?', '?'])[0]}-{claim.get('early', ['?', '?'])[1]}"
         ),
     }[claim["reduce"]]
+    seeds = ", ".join(map(str, claim.get("seeds", []))) or "all"
+    gate = claim.get("gate")
+    gate = f"; gate: `{gate['metric']}` ({gate['reduce']}) >= {gate['min']} in every run" if gate else ""
+    if claim.get("test", "superior") == "noninferior":
+        return (
+            f"`{claim['metric']}`, {how}; {claim['treatment']} not worse than {claim['control']} by the margin "
+            f"min({NONINFERIORITY_MARGIN_CAP}, {NONINFERIORITY_GAIN_SHARE:g} x {claim['control']}'s gain), paired "
+            f"by seed; seeds {seeds}{gate}"
+        )
     relation = ">" if claim["direction"] == "higher" else "<"
-    seeds = claim.get("seeds", [])
     return (
         f"`{claim['metric']}`, {how}; {claim['treatment']} {relation} {claim['control']}, paired by seed; "
-        f"smallest effect of interest {claim['min_effect']}; seeds {', '.join(map(str, seeds)) or 'all'}"
+        f"smallest effect of interest {claim['min_effect']}; seeds {seeds}{gate}"
     )
 
 
@@ -132,6 +209,8 @@ def claims_table(claims: list[dict], runs: list[dict]) -> tuple[str, list[dict]]
             f"{claim['treatment']}: {mean_std(list(result['treatment'].values()), digits)}; "
             f"{claim['control']}: {mean_std(list(result['control'].values()), digits)}; "
             f"paired effect {effect}, n = {result['n']}"
+            + (f"; margin {result['margin']:.{digits}f}" if "margin" in result else "")
+            + ("; gate failed" if result["gate"] is False else "")
         )
         lines.append(
             f"| **{claim['name']}**: {claim['claim']} | {claim['evidence']} | {describe_test(claim)} | {measured} "

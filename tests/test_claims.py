@@ -10,7 +10,15 @@ import torch
 from conftest import load_algo
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from benchmarks.claims import fit_sigmoid, judge, paired_test, reduce_run, sigmoid_curve
+from benchmarks.claims import (
+    fit_sigmoid,
+    judge,
+    noninferiority_margin,
+    noninferiority_test,
+    paired_test,
+    reduce_run,
+    sigmoid_curve,
+)
 from common.bookkeeping import pack_rollout, rollout_stats
 from common.data import TINY_MODEL_DIR, format_prompt, load_problems
 from common.logprobs import token_logprobs
@@ -124,6 +132,46 @@ def test_paired_test_verdicts_on_hand_values():
     assert paired_test({1: 1.0, 2: -1.0, 3: 0.5}, control, "higher", min_effect=0.5)["verdict"] == "inconclusive"
     # pairing is by seed: an unmatched seed is dropped
     assert paired_test({1: 1.0, 2: 2.0, 9: 100.0}, control, "higher", 0.5)["n"] == 2
+
+
+def test_noninferiority_margin_and_verdicts_on_hand_values():
+    # the margin rule: min(0.02, gain / 4)
+    assert noninferiority_margin([0.5, 0.5]) == pytest.approx(0.02)  # a quarter of 0.5 = 0.125: the cap holds
+    assert noninferiority_margin([0.04, 0.06]) == pytest.approx(0.0125)  # a quarter of 0.05
+    control = {1: 0.80, 2: 0.80, 3: 0.80}
+    # diffs -0.01, 0, +0.01: mean 0, SE 0.01 / sqrt(3) = 0.00577; lower bound -0.0115 > -0.02: reproduced
+    result = noninferiority_test({1: 0.79, 2: 0.80, 3: 0.81}, control, 0.02)
+    assert result["verdict"] == "reproduced" and result["se"] == pytest.approx(0.01 / math.sqrt(3))
+    # the same data against a margin of 0.01: lower bound -0.0115 < -0.01, upper +0.0115 > -0.01: inconclusive
+    assert noninferiority_test({1: 0.79, 2: 0.80, 3: 0.81}, control, 0.01)["verdict"] == "inconclusive"
+    # diffs -0.05, -0.06, -0.04: mean -0.05, SE 0.00577; upper bound -0.0385 < -0.02: not reproduced
+    worse = noninferiority_test({1: 0.75, 2: 0.74, 3: 0.76}, control, 0.02)
+    assert worse["verdict"] == "not reproduced" and worse["effect"] == pytest.approx(-0.05)
+    # a better treatment is non-inferior too; a control that learned nothing gives no margin
+    assert noninferiority_test({1: 0.9, 2: 0.91, 3: 0.92}, control, 0.02)["verdict"] == "reproduced"
+    with pytest.raises(ValueError, match="margin must be > 0"):
+        noninferiority_test({1: 0.9}, control, 0.0)
+
+
+def test_a_noninferiority_claim_takes_its_margin_from_the_control_runs_and_a_failed_gate_is_not_testable():
+    def run(label, seed, base, final, clip):
+        rows = [{"step": 0, "acc": base}, {"step": 5, "clip": clip}, {"step": 10, "acc": final}]
+        return {"label": label, "seed": seed, "rows": rows}
+
+    # control gains 0.4 on every seed: margin min(0.02, 0.1) = 0.02; treatment 0.005 below on every seed
+    runs = [run("a", s, 0.4, 0.8, 0.01) for s in (1, 2, 3)] + [run("b", s, 0.4, 0.795, 0.01) for s in (1, 2, 3)]
+    claim = {"treatment": "b", "control": "a", "metric": "acc", "reduce": "final", "test": "noninferior"}
+    result = judge(claim, runs)
+    assert result["margin"] == pytest.approx(0.02) and result["verdict"] == "reproduced" and result["gate"] is None
+    # a gate on a quantity one run never reaches: not testable, whatever the test says
+    gated = claim | {"gate": {"metric": "clip", "reduce": "final", "min": 0.005}}
+    assert judge(gated, runs)["verdict"] == "reproduced"
+    runs[4]["rows"][1]["clip"] = 0.001
+    assert judge(gated, runs)["verdict"] == "not testable here"
+    # control arms that barely learn shrink the margin to a quarter of their gain: 0.01 / 4
+    small = [run("a", s, 0.79, 0.80, 0.01) for s in (1, 2, 3)] + [run("b", s, 0.79, 0.795, 0.01) for s in (1, 2, 3)]
+    result = judge(claim, small)
+    assert result["margin"] == pytest.approx(0.0025) and result["verdict"] == "not reproduced"
 
 
 def test_reductions_and_judging_seeds():
