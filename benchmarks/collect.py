@@ -340,11 +340,24 @@ def claims_section(claims: list[dict], runs: list[dict], out: Path) -> tuple[str
     table_md, results = claims_table(claims, runs)
     plot_claims(claims, results, runs, out / "claims.png")
     reproduced = sum(r["verdict"] == "reproduced" for r in results)
+    rules = []
+    if any(c.get("test", "superior") == "superior" for c in claims):
+        rules.append(
+            "per seed, d = treatment - control in the claimed direction; reproduced if the mean of d exceeds 2 "
+            "standard errors, not reproduced if mean + 2 SE is below the claim's smallest effect of interest, else "
+            "inconclusive."
+        )
+    if any(c.get("test") == "noninferior" for c in claims):
+        rules.append(
+            ("Non-inferiority claims: d" if rules else "per seed, d") + " = treatment - control; reproduced if mean d "
+            "- 2 SE > -margin, not reproduced if mean d + 2 SE < -margin, else inconclusive; margin = min(0.02, a "
+            "quarter of the control arm's mean base-to-final gain)."
+        )
+    if any(c.get("gate") for c in claims):
+        rules.append("A claim whose mechanism gate fails is not testable here.")
     text = (
         f"{table_md}\n\n{reproduced} of {len(claims)} claims reproduced. Test (fixed before the judging runs, "
-        "benchmarks/claims.py): per seed, d = treatment - control in the claimed direction; reproduced if the mean "
-        "of d exceeds 2 standard errors, not reproduced if mean + 2 SE is below the claim's smallest effect of "
-        "interest, else inconclusive. Per-seed values: runs.csv and claims.json.\n\n![claims](claims.png)"
+        f"benchmarks/claims.py): {' '.join(rules)} Per-seed values: runs.csv and claims.json.\n\n![claims](claims.png)"
     )
     (out / "claims.json").write_text(json.dumps([{"id": c["id"], **r} for c, r in zip(claims, results)], indent=1))
     fit_md, fits = fits_table(runs)
