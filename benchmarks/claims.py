@@ -20,9 +20,10 @@ its margin fixed by one rule before any design run (``noninferiority_margin``), 
     not reproduced d + 2 SE < -margin                            the data exclude a loss smaller than the margin
     inconclusive   otherwise
 
-A mechanism gate (``gate = {metric, reduce, min}``, optional) names a quantity that must reach ``min`` in every run
-of both arms for the mechanism to have acted (e.g. the share of tokens the upper clip binds on); a claim whose gate
-fails is judged "not testable here", never "not reproduced".
+A mechanism gate (``gate = {metric, reduce, min, arm}``, optional) names a quantity that must reach ``min`` in every
+run of the gated arms (``arm``: "both", the default, "treatment" or "control") for the mechanism to have acted (e.g.
+the share of tokens the symmetric clip binds on, in the control arm); a claim whose gate fails is judged "not
+testable here", never "not reproduced".
 
 Reductions of one run's rows (``steps = [lo, hi]`` bounds the steps used, inclusive):
 
@@ -124,11 +125,16 @@ def noninferiority_test(treatment: dict[int, float], control: dict[int, float], 
 
 
 def gate_passes(claim: dict, runs: list[dict]) -> bool | None:
-    """Whether every run of both arms reaches the claim's mechanism gate (None: the claim has no gate)."""
+    """Whether every run of the gated arms (``gate.arm``: both, the default, or one) reaches the claim's mechanism
+    gate (None: the claim has no gate)."""
     gate = claim.get("gate")
     if not gate:
         return None
-    arms = [r for r in runs if r["label"] in (claim["treatment"], claim["control"])]
+    arm = gate.get("arm", "both")
+    if arm not in ("both", "treatment", "control"):
+        raise ValueError(f"claim {claim.get('id')!r}: gate arm must be both, treatment or control, not {arm!r}")
+    labels = (claim["treatment"], claim["control"]) if arm == "both" else (claim[arm],)
+    arms = [r for r in runs if r["label"] in labels]
     seeds = set(claim.get("seeds", []))
     arms = [r for r in arms if not seeds or r["seed"] in seeds]
     values = [reduce_run(r["rows"], gate["metric"], gate["reduce"], gate) for r in arms]
@@ -177,7 +183,13 @@ def describe_test(claim: dict) -> str:
     }[claim["reduce"]]
     seeds = ", ".join(map(str, claim.get("seeds", []))) or "all"
     gate = claim.get("gate")
-    gate = f"; gate: `{gate['metric']}` ({gate['reduce']}) >= {gate['min']} in every run" if gate else ""
+    if gate:
+        where = {"both": "every run", "treatment": f"every {claim['treatment']} run"}
+        where = where.get(gate.get("arm", "both"), f"every {claim['control']} run")
+        span = f" over steps {gate['steps'][0]}-{gate['steps'][1]}" if "steps" in gate else ""
+        gate = f"; gate: `{gate['metric']}` ({gate['reduce']}{span}) >= {gate['min']} in {where}"
+    else:
+        gate = ""
     if claim.get("test", "superior") == "noninferior":
         return (
             f"`{claim['metric']}`, {how}; {claim['treatment']} not worse than {claim['control']} by the margin "

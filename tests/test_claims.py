@@ -168,6 +168,13 @@ def test_a_noninferiority_claim_takes_its_margin_from_the_control_runs_and_a_fai
     assert judge(gated, runs)["verdict"] == "reproduced"
     runs[4]["rows"][1]["clip"] = 0.001
     assert judge(gated, runs)["verdict"] == "not testable here"
+    # a gate on one arm reads that arm's runs only: the treatment's 0.001 fails it there and not on the control
+    on_control = claim | {"gate": {"metric": "clip", "reduce": "final", "min": 0.005, "arm": "control"}}
+    assert judge(on_control, runs)["verdict"] == "reproduced"
+    on_treatment = claim | {"gate": {"metric": "clip", "reduce": "final", "min": 0.005, "arm": "treatment"}}
+    assert judge(on_treatment, runs)["verdict"] == "not testable here"
+    with pytest.raises(ValueError, match="gate arm"):
+        judge(claim | {"gate": {"metric": "clip", "reduce": "final", "min": 0.005, "arm": "either"}}, runs)
     # control arms that barely learn shrink the margin to a quarter of their gain: 0.01 / 4
     small = [run("a", s, 0.79, 0.80, 0.01) for s in (1, 2, 3)] + [run("b", s, 0.79, 0.795, 0.01) for s in (1, 2, 3)]
     result = judge(claim, small)
