@@ -184,8 +184,8 @@ def describe_test(claim: dict) -> str:
     seeds = ", ".join(map(str, claim.get("seeds", []))) or "all"
     gate = claim.get("gate")
     if gate:
-        where = {"both": "every run", "treatment": f"every {claim['treatment']} run"}
-        where = where.get(gate.get("arm", "both"), f"every {claim['control']} run")
+        arm = gate.get("arm", "both")
+        where = "every run" if arm == "both" else f"every {claim[arm]} run"
         span = f" over steps {gate['steps'][0]}-{gate['steps'][1]}" if "steps" in gate else ""
         gate = f"; gate: `{gate['metric']}` ({gate['reduce']}{span}) >= {gate['min']} in {where}"
     else:

@@ -261,6 +261,13 @@ def prompt_tokens(length: int) -> int:
     return max(1, min(512, length // 4))
 
 
+def prompt_lengths(layout: str, micro_batch: int, seq_len: int) -> list[int]:
+    """Each sequence's prompt (``prompt_tokens``); padded: a full row's for every row, so that the short sequence's
+    pad is the last row's last position."""
+    lengths = sequence_lengths(layout, micro_batch, seq_len)
+    return [prompt_tokens(seq_len if layout == "padded" else n) for n in lengths]
+
+
 def learner_batch(
     layout: str, micro_batch: int, seq_len: int, vocab: int, generator: torch.Generator, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -268,8 +275,7 @@ def learner_batch(
     them out (``[left-padded prompt | right-padded completion]``, ``common.bookkeeping.pack_rollout``); packed rows
     go to ``token_logprobs(..., packed=True)``, which runs them as one flat row of all their tokens."""
     lengths = sequence_lengths(layout, micro_batch, seq_len)
-    # padded: every row's prompt a full row's, so the short sequence's pad is the last row's last position
-    prompts = [prompt_tokens(seq_len if layout == "padded" else n) for n in lengths]
+    prompts = prompt_lengths(layout, micro_batch, seq_len)
     prompt_width, completion_width = max(prompts), max(n - p for n, p in zip(lengths, prompts))
     if layout == "padded":
         completion_width = seq_len - prompt_width
@@ -303,7 +309,8 @@ def planned_gb(
 
     shape = memory.model_shape(str(config_dir))
     lengths = sequence_lengths(layout, micro_batch, seq_len)
-    tokens, completion_tokens = sum(lengths), sum(n - prompt_tokens(n) for n in lengths)
+    prompts = prompt_lengths(layout, micro_batch, seq_len)
+    tokens, completion_tokens = sum(lengths), sum(n - q for n, q in zip(lengths, prompts))
     if layout == "padded":
         tokens, mask_len = micro_batch * seq_len, seq_len  # rows of seq_len positions, pads included
     else:
@@ -311,9 +318,7 @@ def planned_gb(
     p = shape.params
     trained = 4 * (memory.lora_params(str(config_dir), lora, ("all-linear",)) if lora else p)
     resident = 3 * trained + (4 * p if lora else 0)  # weights and AdamW moments; LoRA: the frozen fp32 base too
-    copies = 0.0
-    if bf16:
-        copies = 2 * p if not lora else (2 * p / shape.layers if checkpointing else 2 * p)
+    copies = memory.autocast_copy_bytes(p, shape.layers, 0 if lora else 1, bool(lora), checkpointing) if bf16 else 0.0
     saved = memory.saved_bytes(shape, tokens, mask_len, completion_tokens, bf16, checkpointing)
     active = memory.activation_bytes(shape, tokens, mask_len, completion_tokens, bf16, checkpointing)
     phases = memory.update_phases(

@@ -221,6 +221,14 @@ def logprob_head_bytes(shape: ModelShape, completion_tokens: int) -> float:
     return 4 * min(LOGPROB_CHUNK, completion_tokens) * shape.vocab * 4
 
 
+def autocast_copy_bytes(params: int, layers: int, full_models: int, lora: bool, checkpointing: bool) -> float:
+    """Bytes of bf16 weight casts under autocast: 2 per parameter of each fully trained model (autocast caches the
+    cast of every trainable weight for the whole forward), and for a frozen LoRA base, whose casts are not cached,
+    only saved for backward: 2 per parameter without checkpointing, one layer's with it."""
+    frozen = (2 * params / layers if checkpointing else 2 * params) if lora else 0.0
+    return full_models * 2 * params + frozen
+
+
 def update_phases(
     resident: float,
     gradients: float,
@@ -239,8 +247,9 @@ def update_phases(
       copies are held too (the graph keeps them); with it they go when the forward's autocast region ends, but they
       were held beside the growing saved inputs during the forward, so they are counted either way.
     * ``backward``: its end, every gradient allocated, and the embedding's gradient being added into the LM head's
-      when they are tied (two more head-sized buffers); with checkpointing the layers' saved inputs and one
-      recomputed layer are counted as if they outlived the gradients (an upper bound: they are freed as it goes).
+      when they are tied (two more head-sized buffers); the saved activations (with checkpointing, the layers'
+      inputs and one recomputed layer) are counted as if they outlived the gradients (an upper bound: they are freed
+      as it goes).
     * ``step``: AdamW (``torch.optim.AdamW``, foreach on CUDA) allocates one temporary as large as the trained
       state's gradients (its ``_foreach_sqrt`` of the second moments) beside the gradients.
 
@@ -489,10 +498,7 @@ def plan_memory(
     trainer_state = sum(b for _, b in components)
     components.append(("AdamW step temporary (foreach, one gradient-sized buffer)", state))
     ckpt = args.gradient_checkpointing
-    # autocast caches the bf16 cast of every trainable weight for the whole forward; a frozen LoRA base's casts
-    # are not cached, only saved for backward, so under checkpointing one layer's are live at a time
-    frozen_copies = (2 * p / shape.layers if ckpt else 2 * p) if adapters else 0.0
-    copies = (n_full * 2 * p + frozen_copies) if autocast else 0.0
+    copies = autocast_copy_bytes(p, shape.layers, n_full, bool(adapters), ckpt) if autocast else 0.0
     components.append(("bf16 autocast weight copies", copies))
     bf16_act = autocast or bf16_weights
     act = activation_bytes(shape, tokens, mask_len, completion_tokens, bf16_act, False)
