@@ -30,6 +30,13 @@ Reductions of one run's rows (``steps = [lo, hi]`` bounds the steps used, inclus
     final    the metric's value in the last row that logs it (evaluation metrics: the final evaluation)
     mean     mean of the metric over the rows in ``steps``
     growth   mean over ``late`` minus mean over ``early`` (two step windows)
+    first_reach  the first step whose value reaches ``target`` (a held-out accuracy; with equal samples per step in
+             both arms, steps count samples). A run that never reaches it is censored at its last step, its
+             budget. Censoring never favours the claim: a censored treatment counts no earlier than any control
+             that got there, and a censored control counts earlier than it would have (the table gives how many
+             runs of each arm were censored)
+    asymptote    A of the compute fit below, per run; a run whose fit is not identified has no value, and a claim
+             with any such run among its judging seeds is inconclusive, never a win
 
 Compute-performance fit (ScaleRL, Khatri et al. 2025, arXiv 2510.13786, eq. 1): the held-out curve against
 training compute C (completion tokens generated, summed over steps) is fitted by
@@ -70,7 +77,26 @@ def reduce_run(rows: list[dict], metric: str, reduce: str, claim: dict) -> float
     if reduce == "growth":
         early, late = window(claim["early"]), window(claim["late"])
         return statistics.mean(late) - statistics.mean(early) if early and late else None
-    raise ValueError(f"claim {claim.get('id')!r}: unknown reduce {reduce!r}; use final, mean or growth")
+    if reduce == "first_reach":
+        reached = first_reach(rows, metric, claim["target"])
+        return None if reached is None else reached[0]
+    if reduce == "asymptote":
+        compute, score, r0 = compute_curve(rows, metric)
+        fit = fit_sigmoid(compute, score, r0) if r0 is not None else {"identified": False}
+        return fit["A"] if fit["identified"] else None
+    raise ValueError(
+        f"claim {claim.get('id')!r}: unknown reduce {reduce!r}; use final, mean, growth, first_reach or asymptote"
+    )
+
+
+def first_reach(rows: list[dict], metric: str, target: float) -> tuple[int, bool] | None:
+    """(the first step whose ``metric`` is >= ``target``, False), or (the run's last step, True) when it never gets
+    there (censored at its budget); None if the run never logs the metric."""
+    values = [(r["step"], r[metric]) for r in rows if metric in r]
+    if not values:
+        return None
+    hit = next((step for step, value in values if value >= target), None)
+    return (hit, False) if hit is not None else (max(r["step"] for r in rows if "step" in r), True)
 
 
 def paired_test(treatment: dict[int, float], control: dict[int, float], direction: str, min_effect: float) -> dict:
@@ -165,6 +191,21 @@ def judge(claim: dict, runs: list[dict]) -> dict:
         result = noninferiority_test(arms["treatment"], arms["control"], noninferiority_margin(gains))
     else:
         result = paired_test(arms["treatment"], arms["control"], claim["direction"], claim["min_effect"])
+    if claim["reduce"] == "asymptote":  # an unidentified fit drops out of the pairs: say so, and never call it a win
+        ran = {r["seed"] for r in runs if r["label"] in (claim["treatment"], claim["control"])}
+        ran = ran & seeds if seeds else ran
+        result["unidentified"] = sum(s not in arms[arm] for s in ran for arm in ("treatment", "control"))
+        if result["unidentified"] and result["verdict"] != "not enough seeds":
+            result["verdict"] = "inconclusive"
+    if claim["reduce"] == "first_reach":
+        result["censored"] = {
+            arm: sum(
+                first_reach(r["rows"], claim["metric"], claim["target"])[1]
+                for r in runs
+                if r["label"] == claim[arm] and r["seed"] in arms[arm]
+            )
+            for arm in ("treatment", "control")
+        }
     gate = gate_passes(claim, runs)
     if gate is False:
         result["verdict"] = "not testable here"
@@ -180,6 +221,8 @@ def describe_test(claim: dict) -> str:
             f"growth: mean over steps {claim.get('late', ['?', '?'])[0]}-{claim.get('late', ['?', '?'])[1]} minus "
             f"mean over steps {claim.get('early', ['?', '?'])[0]}-{claim.get('early', ['?', '?'])[1]}"
         ),
+        "first_reach": f"first step at which it reaches {claim.get('target')} (never: censored at the last step)",
+        "asymptote": "the asymptote A of each run's compute fit (any unidentified fit: inconclusive)",
     }[claim["reduce"]]
     seeds = ", ".join(map(str, claim.get("seeds", []))) or "all"
     gate = claim.get("gate")
@@ -203,6 +246,20 @@ def describe_test(claim: dict) -> str:
     )
 
 
+def judged_commits(claim: dict, runs: list[dict]) -> list[str]:
+    """The commits the claim's judging runs were made at (a regeneration at new code re-judges the row openly)."""
+    seeds = set(claim.get("seeds", []))
+    return sorted(
+        {
+            r["commit"][:7] + ("+dirty" if r.get("dirty") else "")
+            for r in runs
+            if r.get("commit")
+            and r["label"] in (claim["treatment"], claim["control"])
+            and (not seeds or r["seed"] in seeds)
+        }
+    )
+
+
 def claims_table(claims: list[dict], runs: list[dict]) -> tuple[str, list[dict]]:
     """The markdown table (one row per claim) and each claim's judged result."""
     lines = [
@@ -222,6 +279,13 @@ def claims_table(claims: list[dict], runs: list[dict]) -> tuple[str, list[dict]]
             f"{claim['control']}: {mean_std(list(result['control'].values()), digits)}; "
             f"paired effect {effect}, n = {result['n']}"
             + (f"; margin {result['margin']:.{digits}f}" if "margin" in result else "")
+            + (
+                f"; censored runs {result['censored']['treatment']} / {result['censored']['control']}"
+                if "censored" in result
+                else ""
+            )
+            + (f"; unidentified fits {result['unidentified']}" if result.get("unidentified") else "")
+            + (f"; runs at {', '.join(commits)}" if (commits := judged_commits(claim, runs)) else "")
             + ("; gate failed" if result["gate"] is False else "")
         )
         lines.append(

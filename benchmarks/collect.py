@@ -306,15 +306,20 @@ def plot(runs: list[dict], out: Path, suite: str) -> None:
     plt.close(fig)
 
 
-def update_readme(suite: str, text: str) -> bool:
-    readme = REPO / "README.md"
+def update_readme(suite: str, text: str) -> Path | None:
+    """Rewrite the ``<!-- BENCH-<SUITE>-BEGIN/END -->`` block of README.md or, where the block lives there,
+    benchmarks/README.md (links made relative to that folder). Returns the file rewritten, None if neither has it."""
     begin, end = f"<!-- BENCH-{suite.upper()}-BEGIN -->", f"<!-- BENCH-{suite.upper()}-END -->"
-    content = readme.read_text()
-    if begin not in content or end not in content:
-        return False
-    head, rest = content.split(begin, 1)
-    readme.write_text(head + begin + "\n" + text + "\n" + end + rest.split(end, 1)[1])
-    return True
+    for readme in (REPO / "README.md", REPO / "benchmarks" / "README.md"):
+        content = readme.read_text()
+        if begin not in content or end not in content:
+            continue
+        if readme.parent.name == "benchmarks":
+            text = text.replace("](algos/", "](../algos/").replace("](benchmarks/", "](")
+        head, rest = content.split(begin, 1)
+        readme.write_text(head + begin + "\n" + text + "\n" + end + rest.split(end, 1)[1])
+        return readme
+    return None
 
 
 def update_docs(markdown: str) -> list[str]:
@@ -430,7 +435,8 @@ def main() -> None:
         update_docs(markdown) if args.suite == "tiny" and not args.claims else []
     )  # the docs pages quote the tiny suite's rows
     print(markdown)
-    print(f"\nwrote {out}/runs.csv, table.md, curves.png" + ("; updated README.md" if updated else ""))
+    where = f"; updated {updated.relative_to(REPO)}" if updated else ""
+    print(f"\nwrote {out}/runs.csv, table.md, curves.png{where}")
     if pages:
         print("refreshed the quoted rows in docs/" + ", docs/".join(pages))
 

@@ -12,6 +12,11 @@ The claims testbed (``benchmarks/suites/claims.toml``) adds two variants built s
   freely; the verifier reads only ``\\boxed{}`` (Dr. GRPO's length bias).
 * ``arith-mix``: 3 or 4 operands at random, easy and hard prompts in one batch; its train split excludes
   ``arith-hard``'s held-out problems, the set it is evaluated on (MaxRL's pass@k at large k).
+* ``arith-long``: 6 operands, a 5-step worked solution. Its warm start (``--corrupt step``) saw one intermediate
+  result wrong in half the demonstrations, the later steps carried on from the wrong total, so a wrong answer
+  comes from one token somewhere in the chain: per-token credit has something to find (the dense-credit claim).
+* ``arith-pad-long``: ``arith-pad`` with 4 operands and the same step-corrupted warm start, so that wrong answers
+  stay common late in training (Dr. GRPO's length claim, redesigned).
 """
 
 from __future__ import annotations
@@ -42,6 +47,8 @@ ARITH_SPECS = {
     ),  # one operand more than the warm start saw: ~3% sampled accuracy (LUFFY demo)
     "arith-pad": ArithSpec(n_terms=3, max_operand=9, max_redundant=6),  # Dr. GRPO claim: length is the policy's choice
     "arith-mix": ArithSpec(n_terms=4, max_operand=9, min_terms=3, exclude_test_of=("arith-hard",)),  # MaxRL claim
+    "arith-long": ArithSpec(n_terms=6, max_operand=9),  # dense-credit and asymptote claims: 5 steps, one can go wrong
+    "arith-pad-long": ArithSpec(n_terms=4, max_operand=9, max_redundant=6),  # Dr. GRPO, redesigned: errors stay common
 }
 ARITH_TEST_SIZE = 200  # held-out problems per arith task
 ARITH_TEST_SEED = 999

@@ -17,10 +17,12 @@
 from __future__ import annotations
 
 import random
+import re
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import torch
 import tyro
@@ -59,7 +61,10 @@ class Args:
     lr: float = 1e-3
     """SFT learning rate (AdamW, 50 warmup steps, then constant)"""
     wrong_answer_prob: float = 0.5
-    """fraction of SFT demonstrations whose final boxed answer is corrupted by ±1..3"""
+    """fraction of SFT demonstrations that are corrupted by ±1..3 (see ``corrupt``)"""
+    corrupt: Literal["answer", "step"] = "answer"
+    """what a corrupted demonstration gets wrong: the final boxed answer, or one intermediate result (the later
+    steps carry on from the wrong total)"""
     bpe_merges: int = 24
     """BPE merges learned on top of the 256 byte symbols"""
 
@@ -98,6 +103,31 @@ def corrupt(solution: str, answer: str, rng: random.Random) -> str:
     """Replace the boxed answer with answer ± 1..3."""
     wrong = int(answer) + rng.choice([-3, -2, -1, 1, 2, 3])
     return solution.replace(f"\\boxed{{{answer}}}", f"\\boxed{{{wrong}}}")
+
+
+STEP = re.compile(r"^(-?\d+)([+-])(\d+)=(-?\d+)$")  # "11-2=9"; a restatement "9=9" does not match
+
+
+def corrupt_step(solution: str, rng: random.Random) -> str:
+    """One intermediate result off by ±1..3, every later step (restatements and the box too) carried on from it.
+
+    ``4+7=11;11-2=9;\\boxed{9}`` may become ``4+7=13;13-2=11;\\boxed{11}``.
+    """
+    *steps, box = solution.split(";")
+    parsed = [STEP.match(s) for s in steps]
+    wrong_at = rng.choice([i for i, m in enumerate(parsed) if m])
+    out, total = [], None
+    for i, match in enumerate(parsed):
+        if match is None:  # a restatement of the running total
+            out.append(f"{total}={total}")
+            continue
+        left, op, x = (int(match.group(1)) if total is None else total), match.group(2), int(match.group(3))
+        total = left + x if op == "+" else left - x
+        if i == wrong_at:
+            total += rng.choice([-3, -2, -1, 1, 2, 3])
+        out.append(f"{left}{op}{x}={total}")
+    assert box.startswith("\\boxed{"), f"unexpected solution tail {box!r}"
+    return ";".join(out) + f";\\boxed{{{total}}}"
 
 
 def main() -> None:
@@ -144,7 +174,15 @@ def main() -> None:
         batch = rng.sample(train, args.batch_size)
         prompts = [format_prompt(p["prompt"], "chat", tokenizer) for p in batch]
         targets = [
-            (corrupt(p["solution"], p["answer"], rng) if rng.random() < args.wrong_answer_prob else p["solution"])
+            (
+                (
+                    corrupt(p["solution"], p["answer"], rng)
+                    if args.corrupt == "answer"
+                    else corrupt_step(p["solution"], rng)
+                )
+                if rng.random() < args.wrong_answer_prob
+                else p["solution"]
+            )
             + tokenizer.eos_token
             for p in batch
         ]
@@ -178,8 +216,9 @@ def main() -> None:
         f"Qwen2 architecture, hidden {args.hidden}, {args.layers} layers, "
         f"{sum(p.numel() for p in model.parameters()):,} parameters, "
         f"byte-level BPE vocab {len(tokenizer)}.\nWarm start: {args.sft_steps} SFT steps x batch {args.batch_size} on "
-        f"`{args.task}` worked solutions ({spec.n_terms} operands in 0..{spec.max_operand}), with the final answer "
-        f"corrupted by ±1..3 in {args.wrong_answer_prob:.0%} of the demonstrations.\n"
+        f"`{args.task}` worked solutions ({spec.n_terms} operands in 0..{spec.max_operand}), with the "
+        f"{'final answer' if args.corrupt == 'answer' else 'one intermediate result'} corrupted by ±1..3 in "
+        f"{args.wrong_answer_prob:.0%} of the demonstrations.\n"
     )
     print(f"saved to {out} after {time.time() - start:.0f}s of SFT")
 

@@ -11,8 +11,10 @@ from conftest import load_algo
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from benchmarks.claims import (
+    first_reach,
     fit_sigmoid,
     judge,
+    judged_commits,
     noninferiority_margin,
     noninferiority_test,
     paired_test,
@@ -46,6 +48,39 @@ def test_arith_mix_draws_3_or_4_operands_and_never_trains_on_arith_hard_held_out
     assert held_out and not held_out & {p["prompt"] for p in train}
     for p in train[:500]:  # worked solutions stay right: the last step's result is the answer
         assert p["solution"].split(";")[-2].split("=")[-1] == p["answer"]
+
+
+def test_arith_long_has_five_real_steps_and_arith_pad_long_restates_after_three():
+    for p in load_problems("arith-long", "train")[:500]:
+        assert len(re.findall(r"\d+", p["prompt"])) == 6
+        steps = p["solution"].split(";")
+        assert len(steps) == 6 and steps[-2].split("=")[-1] == p["answer"]
+    for p in load_problems("arith-pad-long", "train")[:500]:
+        real = [s for s in p["solution"].split(";")[:-1] if not re.fullmatch(r"(-?\d+)=\1", s)]
+        assert len(real) == 3 and len(re.findall(r"\d+", p["prompt"])) == 4
+
+
+def test_a_step_corrupted_demonstration_carries_the_wrong_total_to_the_end():
+    import random
+
+    from scripts.build_tiny_model import corrupt_step
+
+    rng = random.Random(0)
+    for p in load_problems("arith-pad-long", "train")[:300] + load_problems("arith-long", "train")[:300]:
+        *steps, box = corrupt_step(p["solution"], rng).split(";")
+        assert len(steps) == len(p["solution"].split(";")) - 1
+        total, errors = None, []
+        for step in steps:
+            if match := re.fullmatch(r"(-?\d+)([+-])(\d+)=(-?\d+)", step):
+                left, op, x, result = int(match[1]), match[2], int(match[3]), int(match[4])
+                assert total is None or left == total, step  # each step starts from the total before it
+                errors.append(result - (left + x if op == "+" else left - x))
+                total = result
+            else:  # a restatement carries the (wrong) running total
+                assert step == f"{total}={total}"
+        assert sorted(e != 0 for e in errors) == [False] * (len(errors) - 1) + [True]  # exactly one wrong step
+        assert 1 <= max(abs(e) for e in errors) <= 3
+        assert box == f"\\boxed{{{total}}}" and total != int(p["answer"])
 
 
 def test_the_existing_tasks_are_unchanged_by_the_new_options():
@@ -198,6 +233,67 @@ def test_reductions_and_judging_seeds():
     result = judge(claim | {"min_effect": 0.1, "seeds": [1, 2, 3]}, runs)
     assert result["n"] == 3 and sorted(result["treatment"]) == [1, 2, 3]  # the design seed 101 does not judge
     assert result["effect"] == pytest.approx(1.0) and result["verdict"] == "reproduced"
+
+
+def test_first_reach_censors_at_the_budget_and_censoring_never_favours_the_claim():
+    rows = [{"step": 0, "e": 0.3}, {"step": 10, "e": 0.55}, {"step": 20, "e": 0.61}, {"step": 30, "e": 0.58}]
+    assert first_reach(rows, "e", 0.6) == (20, False)
+    assert first_reach(rows + [{"step": 31, "loss": 1.0}], "e", 0.7) == (31, True)  # never: its last step
+    assert first_reach(rows, "absent", 0.6) is None
+    assert reduce_run(rows, "e", "first_reach", {"target": 0.3}) == 0  # the base model already there
+
+    def run(label, seed, reach_step, last=100):
+        rows = [{"step": s, "e": 0.9 if reach_step is not None and s >= reach_step else 0.1} for s in range(0, 101, 10)]
+        return {"label": label, "seed": seed, "rows": rows[: last // 10 + 1]}
+
+    claim = {"treatment": "t", "control": "c", "metric": "e", "reduce": "first_reach", "target": 0.5}
+    claim |= {"direction": "lower", "min_effect": 10}
+    # treatment reaches at 20, 30, 20; the control at 60, never (censored at 100), 50: d = 40, 70, 30 in its favour
+    runs = [run("t", 1, 20), run("t", 2, 30), run("t", 3, 20), run("c", 1, 60), run("c", 2, None), run("c", 3, 50)]
+    result = judge(claim, runs)
+    assert result["diffs"] == [40, 70, 30] and result["censored"] == {"treatment": 0, "control": 1}
+    assert result["verdict"] == "reproduced"
+    # a censored treatment counts at its budget, behind every control that got there
+    runs[0] = run("t", 1, None)
+    assert judge(claim, runs)["diffs"][0] == 60 - 100
+
+
+def test_an_unidentified_asymptote_fit_makes_the_claim_inconclusive():
+    compute = np.geomspace(1e3, 1e6, 12)
+
+    def run(label, seed, asymptote, c_mid=3e4):
+        score = sigmoid_curve(compute, 0.3, asymptote, 1.5, c_mid)
+        score = score + np.random.default_rng(seed).normal(0, 0.003, compute.shape)
+        tokens = np.diff(np.concatenate([[0.0], compute]))  # tokens generated per step: the curve's compute
+        rows = [{"step": 0, "e": 0.3}]
+        for step, (n, y) in enumerate(zip(tokens, score), start=1):
+            rows += [
+                {"step": step, "time/tokens_per_s": float(n), "time/rollout_s": 1.0},
+                {"step": step, "e": float(y)},
+            ]
+        return {"label": label, "seed": seed, "rows": rows}
+
+    claim = {"treatment": "t", "control": "c", "metric": "e", "reduce": "asymptote", "direction": "higher"}
+    claim |= {"min_effect": 0.02, "seeds": [1, 2, 3]}
+    runs = [run("t", s, 0.8 + 0.01 * s) for s in (1, 2, 3)] + [run("c", s, 0.6) for s in (1, 2, 3)]
+    assert reduce_run(runs[0]["rows"], "e", "asymptote", claim) == pytest.approx(0.81, abs=0.02)
+    result = judge(claim, runs)
+    assert result["verdict"] == "reproduced" and result["unidentified"] == 0
+    assert result["effect"] == pytest.approx(0.22, abs=0.02)
+    runs[5] = run("c", 3, 0.6, c_mid=1e8)  # the control's curve has not bent by the end of the run: A is a guess
+    result = judge(claim, runs)
+    assert result["unidentified"] == 1 and result["n"] == 2 and result["verdict"] == "inconclusive"
+
+
+def test_each_row_names_the_commits_its_judging_runs_were_made_at():
+    runs = [
+        {"label": "t", "seed": 1, "commit": "2137fd1abc", "dirty": False},
+        {"label": "c", "seed": 1, "commit": "7bcb06cdef", "dirty": True},
+        {"label": "c", "seed": 101, "commit": "0000000000", "dirty": False},  # a design seed: not a judging run
+        {"label": "other", "seed": 1, "commit": "1111111111", "dirty": False},
+    ]
+    claim = {"treatment": "t", "control": "c", "seeds": [1, 2]}
+    assert judged_commits(claim, runs) == ["2137fd1", "7bcb06c+dirty"]
 
 
 # ---------------------------------------------------------------------------------------------- ScaleRL fit

@@ -110,3 +110,24 @@ def test_collector_writes_relative_run_paths(finished_run, tmp_path):
     # the script is in the repo: relative to it; the runs folder is outside it: relative to the runs root
     assert row["command"] == "python3 algos/grpo.py --seed 1 --output-dir suite --run-name grpo__1"
     assert str(tmp_path) not in text and str(REPO) not in text and not MACHINE_PATH.search(text)
+
+
+def test_bench_blocks_are_rewritten_where_they_live(tmp_path, monkeypatch):
+    """The tiny block lives in benchmarks/README.md (its links made relative to that folder), the claims block in
+    README.md; a suite with no block anywhere rewrites nothing."""
+    (tmp_path / "benchmarks").mkdir()
+    top = "# top\n<!-- BENCH-CLAIMS-BEGIN -->\nold\n<!-- BENCH-CLAIMS-END -->\ntail\n"
+    inner = "# bench\n<!-- BENCH-TINY-BEGIN -->\nold\n<!-- BENCH-TINY-END -->\n"
+    (tmp_path / "README.md").write_text(top)
+    (tmp_path / "benchmarks" / "README.md").write_text(inner)
+    monkeypatch.setattr(collect, "REPO", tmp_path)
+    row = "| [grpo](algos/grpo.py) | ![c](benchmarks/results/tiny/curves.png) |"
+    assert collect.update_readme("tiny", row) == tmp_path / "benchmarks" / "README.md"
+    assert (tmp_path / "benchmarks" / "README.md").read_text() == (
+        "# bench\n<!-- BENCH-TINY-BEGIN -->\n| [grpo](../algos/grpo.py) | ![c](results/tiny/curves.png) |\n"
+        "<!-- BENCH-TINY-END -->\n"
+    )
+    assert (tmp_path / "README.md").read_text() == top
+    assert collect.update_readme("claims", row) == tmp_path / "README.md"
+    assert (tmp_path / "README.md").read_text() == top.replace("\nold\n", f"\n{row}\n")
+    assert collect.update_readme("speed", row) is None
