@@ -20,10 +20,11 @@ its margin fixed by one rule before any design run (``noninferiority_margin``), 
     not reproduced d + 2 SE < -margin                            the data exclude a loss smaller than the margin
     inconclusive   otherwise
 
-A mechanism gate (``gate = {metric, reduce, min, arm}``, optional) names a quantity that must reach ``min`` in every
-run of the gated arms (``arm``: "both", the default, "treatment" or "control") for the mechanism to have acted (e.g.
-the share of tokens the symmetric clip binds on, in the control arm); a claim whose gate fails is judged "not
-testable here", never "not reproduced".
+A mechanism gate (``gate = {metric, reduce, min and/or max, arm}``, optional) names a quantity that must lie within
+its bounds in every run of the gated arms (``arm``: "both", the default, "treatment" or "control") for the mechanism
+to have acted (e.g. the share of tokens the symmetric clip binds on, in the control arm; a training accuracy low
+enough that wrong answers stay common); a claim whose gate fails is judged "not testable here", never "not
+reproduced".
 
 Reductions of one run's rows (``steps = [lo, hi]`` bounds the steps used, inclusive):
 
@@ -163,8 +164,12 @@ def gate_passes(claim: dict, runs: list[dict]) -> bool | None:
     arms = [r for r in runs if r["label"] in labels]
     seeds = set(claim.get("seeds", []))
     arms = [r for r in arms if not seeds or r["seed"] in seeds]
+    if "min" not in gate and "max" not in gate:
+        raise ValueError(f"claim {claim.get('id')!r}: a gate needs a bound, min or max")
     values = [reduce_run(r["rows"], gate["metric"], gate["reduce"], gate) for r in arms]
-    return bool(values) and all(v is not None and v >= gate["min"] for v in values)
+    return bool(values) and all(
+        v is not None and v >= gate.get("min", -math.inf) and v <= gate.get("max", math.inf) for v in values
+    )
 
 
 def judge(claim: dict, runs: list[dict]) -> dict:
@@ -230,7 +235,8 @@ def describe_test(claim: dict) -> str:
         arm = gate.get("arm", "both")
         where = "every run" if arm == "both" else f"every {claim[arm]} run"
         span = f" over steps {gate['steps'][0]}-{gate['steps'][1]}" if "steps" in gate else ""
-        gate = f"; gate: `{gate['metric']}` ({gate['reduce']}{span}) >= {gate['min']} in {where}"
+        bounds = " and ".join(f"{op} {gate[k]}" for k, op in (("min", ">="), ("max", "<=")) if k in gate)
+        gate = f"; gate: `{gate['metric']}` ({gate['reduce']}{span}) {bounds} in {where}"
     else:
         gate = ""
     if claim.get("test", "superior") == "noninferior":
