@@ -208,6 +208,14 @@ def test_a_noninferiority_claim_takes_its_margin_from_the_control_runs_and_a_fai
     assert judge(on_control, runs)["verdict"] == "reproduced"
     on_treatment = claim | {"gate": {"metric": "clip", "reduce": "final", "min": 0.005, "arm": "treatment"}}
     assert judge(on_treatment, runs)["verdict"] == "not testable here"
+    # an upper bound: wrong answers must stay common (accuracy at most 0.85), here in every run
+    capped = claim | {"gate": {"metric": "acc", "reduce": "final", "max": 0.85}}
+    assert judge(capped, runs)["verdict"] == "reproduced"
+    assert judge(claim | {"gate": {"metric": "acc", "reduce": "final", "max": 0.797}}, runs)["verdict"] == (
+        "not testable here"  # the control arm's 0.8 is above it
+    )
+    with pytest.raises(ValueError, match="needs a bound"):
+        judge(claim | {"gate": {"metric": "acc", "reduce": "final"}}, runs)
     with pytest.raises(ValueError, match="gate arm"):
         judge(claim | {"gate": {"metric": "clip", "reduce": "final", "min": 0.005, "arm": "either"}}, runs)
     # control arms that barely learn shrink the margin to a quarter of their gain: 0.01 / 4
