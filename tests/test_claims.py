@@ -3,11 +3,12 @@ test and the ScaleRL fit (benchmarks/claims.py), on hand-derived values."""
 
 import math
 import re
+import sys
 
 import numpy as np
 import pytest
 import torch
-from conftest import load_algo
+from conftest import REPO, load_algo
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from benchmarks.claims import (
@@ -60,11 +61,15 @@ def test_arith_long_has_five_real_steps_and_arith_pad_long_restates_after_three(
         assert len(real) == 3 and len(re.findall(r"\d+", p["prompt"])) == 4
 
 
-def test_a_step_corrupted_demonstration_carries_the_wrong_total_to_the_end():
+def test_a_step_corrupted_demonstration_carries_the_wrong_total_to_the_end(monkeypatch):
+    import importlib.util
     import random
 
-    from scripts.build_tiny_model import corrupt_step
-
+    spec = importlib.util.spec_from_file_location("build_tiny_model", REPO / "scripts" / "build_tiny_model.py")
+    build_tiny_model = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, build_tiny_model)  # its dataclass looks its module up there
+    spec.loader.exec_module(build_tiny_model)
+    corrupt_step = build_tiny_model.corrupt_step
     rng = random.Random(0)
     for p in load_problems("arith-pad-long", "train")[:300] + load_problems("arith-long", "train")[:300]:
         *steps, box = corrupt_step(p["solution"], rng).split(";")
