@@ -84,7 +84,9 @@ def portable_path(path: str, runs_root: Path | None = None, repo: Path = REPO) -
 
     A relative path is returned unchanged. An absolute one under ``repo`` becomes relative to it
     (``/work/main/runs/tiny`` -> ``runs/tiny``); else, under ``runs_root`` (a runs folder outside the repo), relative
-    to that; else (an interpreter such as ``/usr/bin/python3``, a folder elsewhere) its last component only.
+    to that; else, a file of another checkout of this repo (a git worktree: ``/tmp/wt/algos/grpo.py``), the repo
+    file it names (``algos/grpo.py``: the run records its commit); else (an interpreter such as
+    ``/usr/bin/python3``, a folder elsewhere) its last component only.
     """
     if not (PurePosixPath(path).is_absolute() or PureWindowsPath(path).is_absolute()):
         return path
@@ -94,7 +96,11 @@ def portable_path(path: str, runs_root: Path | None = None, repo: Path = REPO) -
                 return Path(path).relative_to(base).as_posix()
             except ValueError:
                 continue
-    return re.split(r"[\\/]", path.rstrip("\\/"))[-1]
+    parts = re.split(r"[\\/]", path.rstrip("\\/"))
+    for start in range(1, len(parts) - 1):  # the longest tail of two or more components that is a file here
+        if (repo / Path(*parts[start:])).is_file():
+            return Path(*parts[start:]).as_posix()
+    return parts[-1]
 
 
 def portable_command(command: str, runs_root: Path | None = None, repo: Path = REPO) -> str:

@@ -64,6 +64,11 @@ def test_portable_path_on_hand_picked_paths(tmp_path):
     assert portable_path("/usr/bin/python3", runs, repo) == "python3"  # else the name alone
     assert portable_path("C:\\Users\\me\\python.exe", runs, repo) == "python.exe"
     assert portable_path("runs/tiny", runs, repo) == "runs/tiny"  # already relative: unchanged
+    (repo / "algos").mkdir(parents=True)
+    (repo / "algos" / "grpo.py").write_text("")
+    # a script of another checkout of the repo (a git worktree): the repo file it names, not its bare name
+    assert portable_path("/tmp/wt/algos/grpo.py", runs, repo) == "algos/grpo.py"
+    assert portable_path("/tmp/wt/algos/mine.py", runs, repo) == "mine.py"  # no such file here: the name alone
     command = f"/usr/bin/python3 {repo}/algos/grpo.py --seed 1 --model={repo}/final --output-dir {runs}/tiny"
     expected = "python3 algos/grpo.py --seed 1 --model=final --output-dir tiny"
     assert portable_command(command, runs, repo) == expected
