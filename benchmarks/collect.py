@@ -22,6 +22,8 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import os
+import re
 import statistics
 import sys
 import tomllib
@@ -306,6 +308,17 @@ def plot(runs: list[dict], out: Path, suite: str) -> None:
     plt.close(fig)
 
 
+def relative_links(text: str, folder: str) -> str:
+    """Markdown links written from the repo root (``](algos/...)``, ``](benchmarks/...)``) made relative to the page's
+    ``folder`` (e.g. ``docs``: ``](../algos/...)``; ``benchmarks``: ``](results/...)``)."""
+
+    def relative(match: re.Match) -> str:
+        target = os.path.relpath(match[1], folder) + ("/" if match[1].endswith("/") else "")
+        return f"]({target})"
+
+    return re.sub(r"\]\(((?:algos|benchmarks)/[^)]*)\)", relative, text)
+
+
 def update_readme(suite: str, text: str) -> Path | None:
     """Rewrite the ``<!-- BENCH-<SUITE>-BEGIN/END -->`` block of README.md or, where the block lives there,
     benchmarks/README.md (links made relative to that folder). Returns the file rewritten, None if neither has it."""
@@ -314,8 +327,8 @@ def update_readme(suite: str, text: str) -> Path | None:
         content = readme.read_text()
         if begin not in content or end not in content:
             continue
-        if readme.parent.name == "benchmarks":
-            text = text.replace("](algos/", "](../algos/").replace("](benchmarks/", "](")
+        if readme.parent != REPO:
+            text = relative_links(text, readme.parent.name)
         head, rest = content.split(begin, 1)
         readme.write_text(head + begin + "\n" + text + "\n" + end + rest.split(end, 1)[1])
         return readme
@@ -329,7 +342,7 @@ def update_docs(markdown: str) -> list[str]:
     for line in markdown.splitlines():
         if line.startswith("| ["):
             label = line[3 : line.index("]")]
-            rows[label] = line.replace("](algos/", "](../algos/").replace("](benchmarks/", "](../benchmarks/")
+            rows[label] = relative_links(line, "docs")
     changed = []
     for page in sorted((REPO / "docs").glob("*.md")):
         lines = page.read_text().splitlines()
