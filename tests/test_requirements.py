@@ -165,8 +165,12 @@ def read_setup_script(path: Path) -> set[str]:
     for line in path.read_text().splitlines():
         if line.lstrip().startswith("#") or "pip install" not in line:
             continue
-        words = iter(shlex.split(line.split("pip install", 1)[1]))
+        lexer = shlex.shlex(line.split("pip install", 1)[1], posix=True, punctuation_chars=True)
+        lexer.whitespace_split = True  # shell words, with `;`, `||`, `&&` and `|` as words of their own
+        words = iter(lexer)
         for word in words:
+            if word in (";", "|", "||", "&", "&&"):  # the pip command ends here
+                break
             if word in ("-r", "--requirement"):
                 names |= read_requirements(REPO / next(words).removeprefix("$REPO/"))
             elif not word.startswith("-"):

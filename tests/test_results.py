@@ -43,7 +43,7 @@ def test_machine_path_pattern_on_hand_picked_lines():
 
 
 def test_committed_run_commands_are_relative_and_name_repo_files():
-    tables = sorted(RESULTS.glob("*/runs.csv"))
+    tables = sorted(RESULTS.rglob("runs.csv"))  # nested results folders too
     assert tables
     for table in tables:
         with open(table, newline="") as f:
