@@ -197,10 +197,11 @@ def judge(claim: dict, runs: list[dict]) -> dict:
     else:
         result = paired_test(arms["treatment"], arms["control"], claim["direction"], claim["min_effect"])
     if claim["reduce"] == "asymptote":  # an unidentified fit drops out of the pairs: say so, and never call it a win
-        ran = {r["seed"] for r in runs if r["label"] in (claim["treatment"], claim["control"])}
-        ran = ran & seeds if seeds else ran
-        result["unidentified"] = sum(s not in arms[arm] for s in ran for arm in ("treatment", "control"))
-        if result["unidentified"] and result["verdict"] != "not enough seeds":
+        ran = {arm: {r["seed"] for r in runs if r["label"] == claim[arm]} for arm in ("treatment", "control")}
+        ran = {arm: seeds_ran & seeds if seeds else seeds_ran for arm, seeds_ran in ran.items()}
+        result["unidentified"] = sum(s not in arms[arm] for arm in ran for s in ran[arm])
+        # too few pairs because fits failed (not because runs are missing) is the registered rule's inconclusive
+        if result["unidentified"] and len(ran["treatment"] & ran["control"]) >= 2:
             result["verdict"] = "inconclusive"
     if claim["reduce"] == "first_reach":
         result["censored"] = {

@@ -296,6 +296,13 @@ def test_an_unidentified_asymptote_fit_makes_the_claim_inconclusive():
     runs[5] = run("c", 3, 0.6, c_mid=1e8)  # the control's curve has not bent by the end of the run: A is a guess
     result = judge(claim, runs)
     assert result["unidentified"] == 1 and result["n"] == 2 and result["verdict"] == "inconclusive"
+    # no pair left because every treatment fit failed: all runs ran, so the rule's inconclusive, not "not enough seeds"
+    unbent = [run("t", s, 0.9, c_mid=1e8) for s in (1, 2, 3)] + runs[3:]
+    result = judge(claim, unbent)
+    assert result["unidentified"] == 4 and result["n"] == 0 and result["verdict"] == "inconclusive"
+    # a seed whose runs are missing is not a failed fit: one pair of runs is too few to judge at all
+    result = judge(claim, [runs[0], runs[3]])
+    assert result["unidentified"] == 0 and result["verdict"] == "not enough seeds"
 
 
 def test_each_row_names_the_commits_its_judging_runs_were_made_at():
