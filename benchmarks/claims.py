@@ -100,6 +100,9 @@ def first_reach(rows: list[dict], metric: str, target: float) -> tuple[int, bool
     return (hit, False) if hit is not None else (max(r["step"] for r in rows if "step" in r), True)
 
 
+MIN_PAIRS = 2  # seeds with both arms' values: a standard error needs two
+
+
 def paired_test(treatment: dict[int, float], control: dict[int, float], direction: str, min_effect: float) -> dict:
     """The pre-registered test on per-seed values (seed -> value) of the two arms; see the module docstring."""
     if direction not in ("higher", "lower"):
@@ -108,7 +111,7 @@ def paired_test(treatment: dict[int, float], control: dict[int, float], directio
     seeds = sorted(set(treatment) & set(control))
     diffs = [sign * (treatment[s] - control[s]) for s in seeds]
     out = {"n": len(seeds), "seeds": seeds, "diffs": diffs, "effect": None, "se": None, "verdict": "inconclusive"}
-    if len(diffs) < 2:
+    if len(diffs) < MIN_PAIRS:
         out["verdict"] = "not enough seeds"
         return out
     effect, se = statistics.mean(diffs), statistics.stdev(diffs) / math.sqrt(len(diffs))
@@ -139,7 +142,7 @@ def noninferiority_test(treatment: dict[int, float], control: dict[int, float], 
     diffs = [treatment[s] - control[s] for s in seeds]
     out = {"n": len(seeds), "seeds": seeds, "diffs": diffs, "effect": None, "se": None, "verdict": "inconclusive"}
     out["margin"] = margin
-    if len(diffs) < 2:
+    if len(diffs) < MIN_PAIRS:
         out["verdict"] = "not enough seeds"
         return out
     effect, se = statistics.mean(diffs), statistics.stdev(diffs) / math.sqrt(len(diffs))
@@ -201,7 +204,7 @@ def judge(claim: dict, runs: list[dict]) -> dict:
         ran = {arm: seeds_ran & seeds if seeds else seeds_ran for arm, seeds_ran in ran.items()}
         result["unidentified"] = sum(s not in arms[arm] for arm in ran for s in ran[arm])
         # too few pairs because fits failed (not because runs are missing) is the registered rule's inconclusive
-        if result["unidentified"] and len(ran["treatment"] & ran["control"]) >= 2:
+        if result["unidentified"] and len(ran["treatment"] & ran["control"]) >= MIN_PAIRS:
             result["verdict"] = "inconclusive"
     if claim["reduce"] == "first_reach":
         result["censored"] = {

@@ -100,7 +100,7 @@ def help_texts() -> dict[str, str]:
     """Every script's ``--help`` from one interpreter (one torch import instead of twelve): script -> its output,
     ending in ``VLLM_IMPORTED`` where running that script had imported vllm."""
     code = "import sys, runpy\n" + "".join(
-        f"print('=== {name}', flush=True); sys.argv = ['{name}.py', '--help']\n"
+        f"print('\\x1e{name}', flush=True); sys.argv = ['{name}.py', '--help']\n"
         f"try:\n    runpy.run_path({str(REPO / 'algos' / (name + '.py'))!r}, run_name='__main__')\n"
         "except SystemExit:\n    pass\n"
         "print('VLLM_IMPORTED' if 'vllm' in sys.modules else '', flush=True)\n"
@@ -108,7 +108,7 @@ def help_texts() -> dict[str, str]:
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
-    chunks = result.stdout.split("=== ")[1:]
+    chunks = result.stdout.split("\x1e")[1:]  # the ASCII record separator, which no help text holds
     return {chunk.split("\n", 1)[0]: chunk.split("\n", 1)[1] for chunk in chunks}
 
 
