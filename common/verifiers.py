@@ -8,7 +8,8 @@ What lives here:
 * ``grade_math`` / ``grade_math_batch``: symbolic equivalence with math-verify, gold first.
 * ``grade_boxed_exact``: the tiny synthetic task's exact-match checker (no sympy).
 * ``format_reward_r1``: the R1-style ``<think>...</think><answer>...</answer>`` format check.
-* ``RewardOutput`` and the reward registry (``"math"``, ``"exact"``). Every reward function
+* ``RewardOutput`` and the reward registry (``"math"``, ``"exact"``, ``"code"``, ``"code-partial"``, ``"per-row"``;
+  the code rewards run programs in the sandbox: ``common/code_reward.py``). Every reward function
   returns the shaped reward and a separate correctness flag, because DAPO's dynamic sampling
   filters groups on correctness, not on the shaped reward.
 
@@ -351,10 +352,42 @@ def exact_reward(completion: str, gold: str) -> RewardOutput:
     return RewardOutput(reward=float(correct), correct=correct)
 
 
+def code_reward(completion: str, gold: str) -> RewardOutput:
+    """Binary code reward: 1.0 if the completion's program passes every hidden test in the sandbox, else 0.0."""
+    return compute_rewards("code", [completion], [gold])[0]
+
+
+def code_partial_reward(completion: str, gold: str) -> RewardOutput:
+    """Partial-credit code reward: the fraction of hidden tests passed; correct only when all pass."""
+    return compute_rewards("code-partial", [completion], [gold])[0]
+
+
+def per_row_reward(completion: str, gold: str) -> RewardOutput:
+    """A mixed dataset's reward: code tests golds get ``code``, every other gold ``math``."""
+    return compute_rewards("per-row", [completion], [gold])[0]
+
+
 REWARD_FNS: dict[str, Callable[[str, str], RewardOutput]] = {
     "math": math_reward,
     "exact": exact_reward,
+    "code": code_reward,
+    "code-partial": code_partial_reward,
+    "per-row": per_row_reward,
 }
+_BATCHED = ("math", "code", "code-partial", "per-row")
+
+_STATS_LOCK = threading.Lock()
+_PENDING_STATS: list[dict[str, float]] = []
+
+
+def drain_reward_stats() -> dict[str, float]:
+    """The verifier-specific metrics of every batch scored since the last call (e.g. the code reward's fraction of
+    tests passed and per-status shares), averaged over those batches; the run's step log merges them."""
+    with _STATS_LOCK:
+        batches = _PENDING_STATS[:]
+        _PENDING_STATS.clear()
+    keys = sorted({k for b in batches for k in b})
+    return {k: sum(b.get(k, 0.0) for b in batches) / len(batches) for k in keys}
 
 
 def get_reward_fn(name: str) -> Callable[[str, str], RewardOutput]:
@@ -364,9 +397,43 @@ def get_reward_fn(name: str) -> Callable[[str, str], RewardOutput]:
     return REWARD_FNS[name]
 
 
+def row_verifiers(name: str, golds: Sequence[str]) -> list[str]:
+    """The verifier of each row under reward ``name``: itself, or for ``"per-row"`` (a dataset mixing domains,
+    e.g. PRIME's eurus2-rl math+code) ``"code"`` where the gold is a code tests string and ``"math"`` elsewhere."""
+    if name != "per-row":
+        return [name] * len(golds)
+    from common.code_reward import is_code_gold
+
+    return ["code" if is_code_gold(g) else "math" for g in golds]
+
+
 def compute_rewards(name: str, completions: Sequence[str], golds: Sequence[str]) -> list[RewardOutput]:
-    """Score a whole batch with reward ``name``; for ``"math"`` this uses the batched pool path."""
-    fn = get_reward_fn(name)
-    if fn is math_reward:
-        return [RewardOutput(float(c), c) for c in grade_math_batch(completions, golds)]
-    return [fn(c, g) for c, g in zip(completions, golds)]
+    """Score a whole batch with reward ``name``, dispatching per row (``row_verifiers``).
+
+    ``"math"`` uses the batched grader pool; ``"code"`` / ``"code-partial"`` run every completion's program against
+    its tests in the sandbox (``common/code_reward.py``), one run per completion, in parallel.
+    """
+    get_reward_fn(name)
+    if len(completions) != len(golds):
+        raise ValueError(f"{len(completions)} completions but {len(golds)} golds")
+    if name not in _BATCHED:
+        fn = REWARD_FNS[name]
+        return [fn(c, g) for c, g in zip(completions, golds)]
+    verifiers = row_verifiers(name, golds)
+    outputs: list[RewardOutput | None] = [None] * len(golds)
+    for verifier in sorted(set(verifiers)):
+        rows = [i for i, v in enumerate(verifiers) if v == verifier]
+        texts, row_golds = [completions[i] for i in rows], [golds[i] for i in rows]
+        if verifier == "math":
+            scored = [RewardOutput(float(c), c) for c in grade_math_batch(texts, row_golds)]
+        else:
+            from common.code_reward import code_stats, grade_code_batch
+
+            grades = grade_code_batch(texts, row_golds)
+            partial = verifier == "code-partial"
+            scored = [RewardOutput(g.fraction if partial else float(g.correct), g.correct) for g in grades]
+            with _STATS_LOCK:
+                _PENDING_STATS.append(code_stats(grades))
+        for i, out in zip(rows, scored):
+            outputs[i] = out
+    return outputs

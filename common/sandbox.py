@@ -1,0 +1,570 @@
+"""Run untrusted, model-written Python in a sandbox: ``run_python`` and the grading jobs behind the code reward.
+
+Every completion a code reward grades is a program written by a model under optimisation pressure, which will use any
+hole that raises its reward. It never runs in the trainer's process, never with the trainer's environment, files or
+network. The isolation comes from bubblewrap (``bwrap``; Debian/Ubuntu package ``bubblewrap``); the rung in force
+is found at start-up by running the exact command on a no-op program, top rung first:
+
+    rung               namespaces                         uid inside   what it does not contain
+    bwrap              user, pid, net, ipc, uts, mount    65534        (the full set: docs/code.md)
+    bwrap-nopid        user, net, ipc, uts, mount; no     65534        signals to the trainer's uid (kill(-1)); a
+                       fresh /proc (containers that mask             daemon that setsids survives the deadline
+                       /proc)                                         unless a pids cgroup is delegated
+    bwrap-root         pid, net, ipc, uts, mount; no      65534        (root without user namespaces: bwrap keeps
+                       user namespace                     (setuid)     CAP_SETUID/SETGID for the harness's drop)
+    remote             SandboxFusion's HTTP API (--sandbox.url): whatever that service isolates
+    unsafe             none: a plain subprocess; only by name (--sandbox.backend unsafe)
+
+Inside: a read-only view of ``/usr`` (and ``/lib*``, ``/bin``) and of ``sys.base_prefix`` with its site-packages
+hidden; a fresh ``/proc`` and a minimal ``/dev``; the working directory (``/work``), ``/tmp`` and ``/dev/shm`` as
+size-capped tmpfs; never ``$HOME``, the HF cache, the checkout, ``runs/`` or the host's ``/dev/shm``. The environment
+is fixed (``PYTHONHASHSEED=0``, ``LANG=C.UTF-8``, one OpenMP/BLAS thread, ``HOME=/work``; ``python -I``), so grades
+are deterministic. ``common/sandbox_harness.py`` sets the rlimits (CPU seconds, address space, file size, open files)
+before any model-written code runs. Where a pids cgroup can be made (root with cgroup v1's ``pids`` controller, or a
+writable cgroup v2 subtree), each run gets ``pids.max`` and is killed through it. stdout and stderr are capped while
+they are read; at the deadline the whole process tree is killed (the pid namespace dies with its first process).
+
+Runs start from a pool of long-lived threads (``--die-with-parent`` follows the thread that spawned bwrap), so a
+batch of completions grades in parallel off the caller's thread. Contract:
+
+    run_python(source, stdin="", timeout_s=10.0, memory_mb=1024) -> SandboxResult
+    SandboxResult.status in STATUSES; exit_code, stdout, stderr, wall_s
+"""
+
+from __future__ import annotations
+
+import atexit
+import concurrent.futures
+import itertools
+import json
+import os
+import selectors
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+HARNESS_PATH = Path(__file__).resolve().parent / "sandbox_harness.py"
+STATUSES = ("ok", "error", "timeout", "memory", "output_limit", "sandbox_error")
+"""ok: exited 0 within its limits; error: non-zero exit or an uncaught exception; timeout: past its wall or CPU
+deadline; memory: out of its address space; output_limit: more stdout/stderr than the cap (or a file past the
+file-size limit); sandbox_error: the sandbox itself failed (bwrap could not start, the remote service failed)."""
+BWRAP_RUNGS = ("bwrap", "bwrap-nopid", "bwrap-root")
+MEMORY_EXIT = 86  # common/sandbox_harness.py's exit code for MemoryError
+RESULT_MARKER = "\x00__SANDBOX_RESULT__\x00"
+SANDBOX_UID = 65534
+FIXED_ENV = {
+    "PYTHONHASHSEED": "0",
+    "LANG": "C.UTF-8",
+    "LC_ALL": "C.UTF-8",
+    "PATH": "/usr/local/bin:/usr/bin:/bin",
+    "HOME": "/work",
+    "OMP_NUM_THREADS": "1",
+    "OPENBLAS_NUM_THREADS": "1",
+    "MKL_NUM_THREADS": "1",
+    "PYTHONDONTWRITEBYTECODE": "1",
+    "PYTHONIOENCODING": "utf-8",
+}
+UNSAFE_WARNING = (
+    "code rewards run model-written programs WITHOUT a sandbox (--sandbox.backend unsafe): a program can read and "
+    "use the trainer's memory, environment and secrets, signal or kill its processes, read and write its files "
+    "(checkpoints, hidden tests), reach the network, and exhaust memory; use this only on a disposable machine"
+)
+
+
+class SandboxUnavailableError(RuntimeError):
+    """No isolation rung works here and no unsafe mode was asked for."""
+
+
+@dataclass
+class SandboxConfig:
+    """How model-written code runs (code rewards and the Python tool)."""
+
+    backend: Literal["auto", "bwrap", "remote", "unsafe"] = "auto"
+    """auto: the highest bwrap rung that works here, else refuse; remote: SandboxFusion at --sandbox.url; unsafe: a
+    plain subprocess, no isolation (named on purpose)"""
+    url: str = ""
+    """SandboxFusion service URL for the remote backend (http://host:port; its /run_code route)"""
+    workers: int = 0
+    """programs run at once (0 = the number of CPUs)"""
+    timeout_s: float = 10.0
+    """wall-clock limit of one program run, all of a completion's test cases together"""
+    case_timeout_s: float = 2.0
+    """wall-clock (and CPU) limit of one test case"""
+    memory_mb: int = 1024
+    """address-space limit of a program"""
+
+
+@dataclass
+class SandboxResult:
+    """How one sandboxed program run ended."""
+
+    status: str  # one of STATUSES
+    exit_code: int | None  # None when killed at the deadline or when the sandbox failed
+    stdout: str
+    stderr: str
+    wall_s: float
+
+
+@dataclass
+class Limits:
+    timeout_s: float = 10.0
+    memory_mb: int = 1024
+    output_bytes: int = 1 << 20  # per stream, while read
+    file_bytes: int = 16 << 20  # RLIMIT_FSIZE
+    open_files: int = 64  # RLIMIT_NOFILE
+    tmpfs_bytes: int = 64 << 20  # each of /work, /tmp, /dev/shm
+    pids_max: int = 64  # cgroup pids.max, where a cgroup can be made
+
+
+# ----------------------------------------------------------------------------------------------
+# The bwrap command of each rung
+# ----------------------------------------------------------------------------------------------
+def base_python() -> tuple[str, str]:
+    """(the base interpreter's executable, its prefix): never a venv's, which may live in the checkout."""
+    prefix = os.path.realpath(sys.base_prefix)
+    exe = Path(prefix) / "bin" / f"python{sys.version_info.major}.{sys.version_info.minor}"
+    if not exe.exists():
+        exe = Path(os.path.realpath(getattr(sys, "_base_executable", sys.executable)))
+    return str(exe), prefix
+
+
+def _root_links() -> list[str]:
+    """/bin, /lib, /lib64, /sbin: symlinks into /usr on merged-/usr systems, read-only binds elsewhere."""
+    args = []
+    for name in ("bin", "lib", "lib32", "lib64", "sbin"):
+        path = Path("/") / name
+        if path.is_symlink():
+            args += ["--symlink", os.readlink(path), str(path)]
+        elif path.is_dir():
+            args += ["--ro-bind", str(path), str(path)]
+    return args
+
+
+def bwrap_argv(rung: str, limits: Limits, job_fd: int | None) -> list[str]:
+    """The full command line of ``rung`` (one of BWRAP_RUNGS) running the harness; ``job_fd`` a readable fd."""
+    exe, prefix = base_python()
+    args = ["bwrap", "--die-with-parent", "--new-session", "--clearenv"]
+    args += ["--unshare-net", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try", "--hostname", "sandbox"]
+    if rung in ("bwrap", "bwrap-nopid"):
+        args += ["--unshare-user", "--uid", str(SANDBOX_UID), "--gid", str(SANDBOX_UID), "--disable-userns"]
+    if rung in ("bwrap", "bwrap-root"):
+        args += ["--unshare-pid", "--proc", "/proc"]
+    if rung == "bwrap-root":
+        args += ["--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
+    args += ["--ro-bind", "/usr", "/usr", *_root_links()]
+    if not prefix.startswith("/usr/"):
+        args += ["--ro-bind", prefix, prefix]
+    minor = f"python{sys.version_info.major}.{sys.version_info.minor}"
+    site = Path(prefix) / "lib" / minor / "site-packages"
+    if site.is_dir():  # the base interpreter's third-party packages stay out of reach
+        args += ["--tmpfs", str(site)]
+    args += ["--dev", "/dev"]
+    for mount in ("/dev/shm", "/tmp", "/work"):
+        args += ["--perms", "1777", "--size", str(limits.tmpfs_bytes), "--tmpfs", mount]
+    args += ["--ro-bind", str(HARNESS_PATH), "/sandbox/harness.py"]
+    if job_fd is not None:
+        args += ["--ro-bind-data", str(job_fd), "/sandbox/job.json"]
+    for key, value in FIXED_ENV.items():
+        args += ["--setenv", key, value]
+    args += ["--chdir", "/work", exe, "-I", "/sandbox/harness.py"]
+    return args
+
+
+# ----------------------------------------------------------------------------------------------
+# A pids cgroup per run, where one can be made
+# ----------------------------------------------------------------------------------------------
+_CGROUP_PARENTS = ("/sys/fs/cgroup/pids", "/sys/fs/cgroup")
+_cgroup_counter = itertools.count()
+
+
+def _cgroup_root() -> Path | None:
+    """A writable pids hierarchy: cgroup v1's pids controller, or a v2 root whose children get pids.max."""
+    for parent in _CGROUP_PARENTS:
+        root = Path(parent)
+        is_v2 = (root / "cgroup.controllers").exists()
+        if is_v2 and "pids" not in (root / "cgroup.subtree_control").read_text(errors="replace").split():
+            continue
+        if not (root / "cgroup.procs").exists():
+            continue
+        probe = root / f"rl-sandbox-probe-{os.getpid()}"
+        try:
+            probe.mkdir()
+            ok = (probe / "pids.max").exists()
+            probe.rmdir()
+        except OSError:
+            continue
+        if ok:
+            return root
+    return None
+
+
+class _Cgroup:
+    """One run's cgroup: ``pids.max`` caps its processes; ``kill`` ends every process in it."""
+
+    def __init__(self, root: Path, pids_max: int):
+        self.path = root / f"rl-sandbox-{os.getpid()}-{next(_cgroup_counter)}"
+        self.path.mkdir()
+        (self.path / "pids.max").write_text(str(pids_max))
+
+    def kill(self) -> None:
+        if (self.path / "cgroup.kill").exists():
+            try:
+                (self.path / "cgroup.kill").write_text("1")
+            except OSError:
+                pass
+        for _ in range(50):
+            try:
+                pids = [int(p) for p in (self.path / "cgroup.procs").read_text().split()]
+            except OSError:
+                return
+            if not pids:
+                return
+            for pid in pids:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except OSError:
+                    pass
+            time.sleep(0.002)
+
+    def remove(self) -> None:
+        self.kill()
+        for _ in range(100):
+            try:
+                self.path.rmdir()
+                return
+            except OSError:
+                time.sleep(0.005)
+
+
+# ----------------------------------------------------------------------------------------------
+# Running one job
+# ----------------------------------------------------------------------------------------------
+def _communicate(proc: subprocess.Popen, stdin: bytes, deadline: float, cap: int) -> tuple[bytes, bytes, str | None]:
+    """Feed stdin from a thread (a program that never reads must not deadlock us), read both streams up to ``cap``
+    bytes each until EOF or the deadline; returns (stdout, stderr, None | "timeout" | "output_limit")."""
+
+    def feed() -> None:
+        try:
+            if stdin:
+                proc.stdin.write(stdin)
+        except OSError:
+            pass
+        finally:
+            try:
+                proc.stdin.close()
+            except OSError:
+                pass
+
+    writer = threading.Thread(target=feed, daemon=True)
+    writer.start()
+    buffers = {proc.stdout: bytearray(), proc.stderr: bytearray()}
+    stop = None
+    with selectors.DefaultSelector() as selector:
+        for stream in buffers:
+            selector.register(stream, selectors.EVENT_READ)
+        while selector.get_map():
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                stop = "timeout"
+                break
+            for key, _ in selector.select(timeout=min(remaining, 0.5)):
+                chunk = os.read(key.fd, 65536)
+                if not chunk:
+                    selector.unregister(key.fileobj)
+                    continue
+                buffers[key.fileobj] += chunk
+                if len(buffers[key.fileobj]) > cap:
+                    stop = "output_limit"
+            if stop:
+                break
+    return bytes(buffers[proc.stdout]), bytes(buffers[proc.stderr]), stop
+
+
+def _status_from_exit(exit_code: int) -> str:
+    if exit_code == 0:
+        return "ok"
+    if exit_code == MEMORY_EXIT:
+        return "memory"
+    if exit_code in (128 + signal.SIGXCPU, -signal.SIGXCPU):
+        return "timeout"
+    if exit_code in (128 + signal.SIGXFSZ, -signal.SIGXFSZ):
+        return "output_limit"
+    return "error"
+
+
+class Sandbox:
+    """One isolation rung and its worker pool. ``Sandbox.probe(config)`` picks the rung; ``run_job`` runs one job."""
+
+    def __init__(self, rung: str, config: SandboxConfig, why_not: dict[str, str] | None = None):
+        self.rung, self.config, self.why_not = rung, config, why_not or {}
+        self.cgroup_root = _cgroup_root() if rung in BWRAP_RUNGS else None
+        workers = config.workers or os.cpu_count() or 1
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="sandbox")
+
+    # -- start-up ------------------------------------------------------------------------------
+    @classmethod
+    def probe(cls, config: SandboxConfig) -> "Sandbox":
+        """The highest working rung for ``config.backend``; raises SandboxUnavailableError naming why each failed."""
+        if config.backend == "unsafe":
+            return cls("unsafe", config)
+        if config.backend == "remote" or (config.backend == "auto" and config.url):
+            if not config.url:
+                raise SandboxUnavailableError("--sandbox.backend remote needs --sandbox.url (a SandboxFusion service)")
+            sandbox = cls("remote", config)
+            result = sandbox.run_job({"mode": "run", "source": "print('ok')"}, "", Limits(timeout_s=30))
+            if result.status != "ok" or result.stdout.strip() != "ok":
+                raise SandboxUnavailableError(
+                    f"--sandbox.url {config.url}: the remote sandbox failed a no-op program ({result.status}: "
+                    f"{(result.stderr or result.stdout).strip()[:300]})"
+                )
+            return sandbox
+        why_not: dict[str, str] = {}
+        if shutil.which("bwrap") is None:
+            why_not = {rung: "bwrap is not installed (apt-get install bubblewrap)" for rung in BWRAP_RUNGS}
+        else:
+            for rung in BWRAP_RUNGS:
+                if rung == "bwrap-root" and os.geteuid() != 0:
+                    why_not[rung] = "needs root"
+                    continue
+                sandbox = cls(rung, config, dict(why_not))
+                result = sandbox.run_job({"mode": "run", "source": "import os\nprint(os.getuid())"}, "", Limits(30))
+                if result.status == "ok" and result.stdout.strip() == str(SANDBOX_UID):
+                    return sandbox
+                sandbox.close()
+                why_not[rung] = f"{result.status}: {(result.stderr or result.stdout).strip().splitlines()[-1:]}"
+        reasons = "; ".join(f"{rung}: {why}" for rung, why in why_not.items())
+        raise SandboxUnavailableError(
+            f"no sandbox for model-written code works here ({reasons}). Install bubblewrap and allow user "
+            "namespaces (sysctl user.max_user_namespaces, Ubuntu's kernel.apparmor_restrict_unprivileged_userns, "
+            "Docker's seccomp profile), or use --sandbox.url with a SandboxFusion service, or pass "
+            f"--sandbox.backend unsafe, which does not protect: {UNSAFE_WARNING}"
+        )
+
+    def describe(self) -> dict:
+        """What the run's config.json records: the rung, why the ones above it failed, the cgroup, the limits."""
+        return {
+            "rung": self.rung,
+            "rungs_failed": self.why_not,
+            "pids_cgroup": str(self.cgroup_root) if self.cgroup_root else None,
+            "url": self.config.url or None,
+            "workers": self._pool._max_workers,
+        }
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+    # -- running ---------------------------------------------------------------------------------
+    def submit(self, job: dict, stdin: str, limits: Limits) -> concurrent.futures.Future:
+        """Run ``job`` on a pool thread; the future's result is a SandboxResult."""
+        return self._pool.submit(self.run_job, job, stdin, limits)
+
+    def run_job(self, job: dict, stdin: str, limits: Limits) -> SandboxResult:
+        """One harness run. ``job["mode"] == "run"``: ``stdin`` is the program's; other modes carry their cases."""
+        job = {
+            "memory_mb": limits.memory_mb,
+            "cpu_s": limits.timeout_s,
+            "file_bytes": limits.file_bytes,
+            "open_files": limits.open_files,
+            "drop_privileges": self.rung == "bwrap-root",
+            **job,
+        }
+        if self.rung == "remote":
+            return self._run_remote(job, stdin, limits)
+        start = time.monotonic()
+        payload = json.dumps(job).encode()
+        job_fd = None
+        if job["mode"] == "run":  # the job as a read-only file; the program's own stdin stays the pipe
+            job_fd = os.memfd_create("sandbox-job", 0)
+            os.write(job_fd, payload)
+            os.lseek(job_fd, 0, os.SEEK_SET)
+            stdin_bytes = stdin.encode("utf-8", "surrogateescape")
+        else:  # the grading modes read their job from stdin; each case's program gets its own stdin file
+            stdin_bytes = payload
+        cgroup = None
+        try:
+            if self.rung == "unsafe":
+                argv, env, cwd = self._unsafe_argv(job_fd), dict(FIXED_ENV), tempfile.mkdtemp(prefix="sandbox-")
+                env["HOME"] = cwd
+            else:
+                argv, env, cwd = bwrap_argv(self.rung, limits, job_fd), {"PATH": "/usr/bin:/bin"}, "/"
+                if self.cgroup_root is not None:
+                    cgroup = _Cgroup(self.cgroup_root, limits.pids_max)
+                    # a launcher shim joins the cgroup, then becomes bwrap: no preexec_fn in a threaded trainer
+                    argv = ["/bin/sh", "-c", 'echo $$ > "$0" && exec "$@"', str(cgroup.path / "cgroup.procs"), *argv]
+            try:
+                proc = subprocess.Popen(
+                    argv,
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    pass_fds=(job_fd,) if job_fd is not None else (),
+                    start_new_session=True,
+                    env=env,
+                    cwd=cwd,
+                )
+            except OSError as e:
+                return SandboxResult("sandbox_error", None, "", f"could not start the sandbox: {e}", 0.0)
+            if job_fd is not None:
+                os.close(job_fd)
+                job_fd = None
+            deadline = start + limits.timeout_s + 1.0  # +1 s: the sandbox's own start-up
+            out, err, stop = _communicate(proc, stdin_bytes, deadline, limits.output_bytes)
+            if stop:
+                self._kill(proc, cgroup)
+            try:
+                exit_code = proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                self._kill(proc, cgroup)
+                exit_code, stop = proc.wait(), stop or "timeout"
+            self._kill(proc, cgroup)  # anything the program left behind in its session or cgroup
+        finally:
+            if job_fd is not None:
+                os.close(job_fd)
+            if cgroup is not None:
+                cgroup.remove()
+            if self.rung == "unsafe":
+                shutil.rmtree(cwd, ignore_errors=True)
+        wall = time.monotonic() - start
+        stdout = out[: limits.output_bytes].decode("utf-8", "replace")
+        stderr = err[: limits.output_bytes].decode("utf-8", "replace")
+        if stop:
+            return SandboxResult(stop, None, stdout, stderr, wall)
+        if self.rung != "unsafe" and exit_code != 0 and stderr.startswith("bwrap:"):
+            return SandboxResult("sandbox_error", exit_code, stdout, stderr, wall)
+        return SandboxResult(_status_from_exit(exit_code), exit_code, stdout, stderr, wall)
+
+    def _unsafe_argv(self, job_fd: int | None) -> list[str]:
+        exe, _ = base_python()
+        # no bwrap to place the job file: the harness reads it from the inherited fd instead
+        bootstrap = (
+            f"import os,sys; sys.argv=['harness']; os.environ.clear(); "
+            f"ns={{'__name__':'sandbox_harness'}}; exec(open({str(HARNESS_PATH)!r}).read(), ns); "
+            f"job=ns['json'].loads(os.read({job_fd},1<<30)) if {job_fd is not None} else ns['load_job'](); "
+            f"ns['main'](job)"
+        )
+        return [exe, "-I", "-c", bootstrap]
+
+    @staticmethod
+    def _kill(proc: subprocess.Popen, cgroup: _Cgroup | None) -> None:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # bwrap; its pid namespace dies with its first process
+        except OSError:
+            pass
+        if cgroup is not None:
+            cgroup.kill()
+
+    def _run_remote(self, job: dict, stdin: str, limits: Limits) -> SandboxResult:
+        """One POST to SandboxFusion's /run_code; the harness goes with the job embedded, the stdin as ``stdin``."""
+        start = time.monotonic()
+        source = HARNESS_PATH.read_text()
+        marker = "EMBEDDED_JOB = None"
+        code = source.replace(marker, f"EMBEDDED_JOB = json.loads({json.dumps(json.dumps(job))})", 1)
+        request = {
+            "code": code,
+            "language": "python",
+            "run_timeout": limits.timeout_s,
+            "memory_limit_MB": limits.memory_mb,
+            "stdin": stdin if job["mode"] == "run" else "",
+        }
+        url = self.config.url.rstrip("/") + "/run_code"
+        try:
+            req = urllib.request.Request(
+                url, data=json.dumps(request).encode(), headers={"Content-Type": "application/json"}
+            )
+            with urllib.request.urlopen(req, timeout=limits.timeout_s + 30) as response:
+                answer = json.loads(response.read())
+        except (urllib.error.URLError, OSError, ValueError) as e:
+            return SandboxResult("sandbox_error", None, "", f"{url}: {e}", time.monotonic() - start)
+        run = answer.get("run_result") or {}
+        wall = time.monotonic() - start
+        out, err = str(run.get("stdout") or ""), str(run.get("stderr") or "")
+        if run.get("status") == "TimeLimitExceeded":
+            return SandboxResult("timeout", None, out, err, wall)
+        if not run or answer.get("status") == "SandboxError":
+            return SandboxResult("sandbox_error", None, out, f"{url}: {answer.get('message', answer)}", wall)
+        exit_code = run.get("return_code")
+        if exit_code is None:
+            return SandboxResult("error", None, out, err, wall)
+        if max(len(out), len(err)) > limits.output_bytes:
+            return SandboxResult("output_limit", exit_code, out[: limits.output_bytes], err, wall)
+        return SandboxResult(_status_from_exit(int(exit_code)), int(exit_code), out, err, wall)
+
+
+# ----------------------------------------------------------------------------------------------
+# The process-wide sandbox and the public contract
+# ----------------------------------------------------------------------------------------------
+_DEFAULT: Sandbox | None = None
+_DEFAULT_LOCK = threading.Lock()
+
+
+def configure(config: SandboxConfig | None = None) -> Sandbox:
+    """Probe and install the process-wide sandbox for ``config`` (default: auto); returns it. Raises
+    SandboxUnavailableError, with what each rung lacked, when nothing works and unsafe was not asked for."""
+    global _DEFAULT
+    config = config or SandboxConfig()
+    with _DEFAULT_LOCK:
+        if _DEFAULT is not None and _DEFAULT.config == config:
+            return _DEFAULT
+        sandbox = Sandbox.probe(config)
+        if sandbox.rung == "unsafe":
+            print(f"WARNING: {UNSAFE_WARNING}", file=sys.stderr, flush=True)
+        if _DEFAULT is not None:
+            _DEFAULT.close()
+        _DEFAULT = sandbox
+        return sandbox
+
+
+def get_sandbox() -> Sandbox:
+    """The process-wide sandbox, probed with the default (auto) config on first use."""
+    return _DEFAULT if _DEFAULT is not None else configure()
+
+
+@atexit.register
+def _close_default() -> None:
+    if _DEFAULT is not None:
+        _DEFAULT._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def run_python(source: str, stdin: str = "", timeout_s: float = 10.0, memory_mb: int = 1024) -> SandboxResult:
+    """Run one untrusted Python program in the process-wide sandbox and say how it ended.
+
+    ``status`` is "ok" (exited 0 within its limits), "error" (non-zero exit or an uncaught exception), "timeout",
+    "memory", "output_limit" or "sandbox_error" (see STATUSES). Thread-safe; runs on a pool thread.
+    """
+    limits = Limits(timeout_s=timeout_s, memory_mb=memory_mb)
+    return get_sandbox().submit({"mode": "run", "source": source}, stdin, limits).result()
+
+
+def parse_case_results(result: SandboxResult) -> list[dict] | None:
+    """The per-case results line a grading job printed last, or None if it printed none (it crashed or was killed)."""
+    at = result.stdout.rfind(RESULT_MARKER)
+    if at < 0:
+        return None
+    try:
+        cases = json.loads(result.stdout[at + len(RESULT_MARKER) :].splitlines()[0])
+    except (ValueError, IndexError):
+        return None
+    return cases if isinstance(cases, list) and all(isinstance(c, dict) for c in cases) else None
+
+
+__all__ = [
+    "STATUSES",
+    "SandboxConfig",
+    "SandboxResult",
+    "Sandbox",
+    "Limits",
+    "SandboxUnavailableError",
+    "configure",
+    "get_sandbox",
+    "run_python",
+    "parse_case_results",
+]
