@@ -41,6 +41,7 @@ from common.tracking import (
     save_checkpoint,
     set_rng_state,
 )
+from common.verifiers import drain_reward_stats
 
 
 def pack_rollout(
@@ -246,6 +247,7 @@ class Bookkeeper:
         self.step_done = True
         log = {f"train/{k}": sum(v) / len(v) for k, v in update_stats.items() if k != "skipped_updates"}
         log |= metrics
+        log |= {f"train/{k}": v for k, v in drain_reward_stats().items()}  # e.g. code/tests_passed_frac
         log["train/skipped_updates"] = float(sum(update_stats.get("skipped_updates", [])))
         # averaged over processes by name: a process may lack a key (LUFFY's teacher statistics when none of its
         # micro-batches held a teacher trace), so each key is the mean over the processes that logged it

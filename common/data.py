@@ -12,6 +12,8 @@ Every dataset is loaded as a list of ``Problem`` dicts with three string fields:
 
 The offline tasks (``arith``, ``arith-hard``; ``common/tasks.py``) need no network: chain arithmetic such as
 ``4+7-2=?`` with the worked solution ``4+7=11;11-2=9;\\boxed{9}``. Held-out splits are disjoint from train splits.
+``code-expr`` (``common/tasks.py``; ``--dataset code-expr`` wants ``--model tiny-code``) is its code counterpart: a
+prompt such as ``Read a b c. Print a*b-c.``, a one-block Python solution, and hidden stdin/stdout tests as the gold.
 
 Hub datasets (need ``datasets`` and hub access or a warm HF cache; all scored with the ``math`` reward):
 
@@ -42,22 +44,27 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from common.hub_data import HUB_SOURCES, load_hub
-from common.tasks import ARITH_SPECS, Problem, load_arith
+from common.code_data import CODE_HUB_SOURCES, jsonl_code_row, load_code_hub
+from common.hub_data import EURUS2_CODE_SOURCES, HUB_SOURCES, load_hub
+from common.tasks import ARITH_SPECS, CODE_SPECS, Problem, load_arith, load_code
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 TINY_MODEL_DIR = REPO_ROOT / "common" / "tiny_model"
+TINY_CODE_MODEL_DIR = REPO_ROOT / "common" / "tiny_code_model"  # the code-expr warm start (--model tiny-code)
 
 
 def resolve_model_path(name_or_path: str) -> str:
-    """Map ``"tiny"`` to the shipped offline model folder; pass any other hub id or path through."""
-    if name_or_path == "tiny":
-        if not (TINY_MODEL_DIR / "config.json").exists():
+    """Map ``"tiny"`` (``"tiny-code"``) to the shipped offline (code) model folder; pass any other hub id or path
+    through."""
+    shipped = {"tiny": (TINY_MODEL_DIR, ""), "tiny-code": (TINY_CODE_MODEL_DIR, " --task code-expr")}
+    if name_or_path in shipped:
+        folder, flags = shipped[name_or_path]
+        if not (folder / "config.json").exists():
             raise FileNotFoundError(
-                f"the shipped tiny model is missing from {TINY_MODEL_DIR}; rebuild it with "
-                "`python scripts/build_tiny_model.py`"
+                f"the shipped {name_or_path} model is missing from {folder}; rebuild it with "
+                f"`python scripts/build_tiny_model.py{flags}`"
             )
-        return str(TINY_MODEL_DIR)
+        return str(folder)
     local = Path(name_or_path).expanduser()
     looks_local = name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") != 1
     if looks_local and not local.exists():
@@ -99,10 +106,38 @@ def validate_rows(rows: list[dict], dataset: str, line_numbers: list[int] | None
         solution = row.get("solution", "")
         if not isinstance(solution, str):
             raise ValueError(f"dataset {dataset!r}, row {i}: field 'solution' must be a string")
-        problems.append({"prompt": values["prompt"], "answer": values["answer"].strip(), "solution": solution})
+        problem = {"prompt": values["prompt"], "answer": values["answer"].strip(), "solution": solution}
+        if "verifier" in row:  # the row's own verifier (a mixed set); it must agree with what its gold is
+            from common.code_reward import is_code_gold
+
+            if row["verifier"] not in ("math", "exact", "code", "code-partial"):
+                raise ValueError(f"dataset {dataset!r}, row {i}: unknown verifier {row['verifier']!r}")
+            if row["verifier"].startswith("code") != is_code_gold(problem["answer"]):
+                raise ValueError(
+                    f"dataset {dataset!r}, row {i}: verifier {row['verifier']!r} but its answer "
+                    f"{'is' if is_code_gold(problem['answer']) else 'is not'} a code tests string"
+                )
+            problem["verifier"] = row["verifier"]
+        problems.append(problem)
     if not problems:
         raise ValueError(f"dataset {dataset!r} is empty")
     return problems
+
+
+def _jsonl_has_tests(path: str) -> bool:
+    """Whether the file's first row has a ``tests`` field (the whole file is then read as code problems)."""
+    file = Path(path).expanduser()
+    if not file.exists():
+        return False
+    with file.open() as f:
+        for line in f:
+            if line.strip():
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError:
+                    return False
+                return isinstance(row, dict) and "tests" in row
+    return False
 
 
 def _load_jsonl(path: str) -> list[Problem]:
@@ -118,6 +153,14 @@ def _load_jsonl(path: str) -> list[Problem]:
         except json.JSONDecodeError as e:
             raise ValueError(f"dataset 'jsonl:{path}', line {i + 1}: invalid JSON ({e})") from None
         line_numbers.append(i + 1)
+    if rows and isinstance(rows[0], dict) and "tests" in rows[0]:
+        mapped = []
+        for index, row in enumerate(rows):
+            try:
+                mapped.append(jsonl_code_row(row))
+            except ValueError as e:
+                raise ValueError(f"dataset 'jsonl:{path}', row {index} (line {line_numbers[index]}): {e}") from None
+        rows = mapped
     return validate_rows(rows, f"jsonl:{path}", line_numbers)
 
 
@@ -154,6 +197,16 @@ DATASETS: dict[str, DatasetInfo] = {
     )
     for name in ARITH_SPECS
 }
+# the offline code task (read integers, print an expression): graded by its hidden stdin/stdout tests; its warm
+# start is --model tiny-code (the tiny arith model has never seen a program)
+DATASETS.update(
+    {
+        name: DatasetInfo(
+            loader=lambda split, name=name: load_code(name, split), reward_fn="code", default_template="chat"
+        )
+        for name in CODE_SPECS
+    }
+)
 # Hub sets. eval_split is the dataset's own held-out split; the training-only sets (dapo17k,
 # openr1-luffy) have none, so evaluate models trained on them on math500 / aime24 / aime25.
 _HUB_EVAL_SPLITS = {"dapo17k": "train", "openr1-luffy": "train", "eurus2-rl": "validation"}
@@ -170,6 +223,19 @@ DATASETS.update(
 )
 
 
+# Code sets (common/code_data.py): prompts carry DeepCoder's instruction and any starter code already, so they render
+# with the plain chat template; eurus2-rl-mix mixes math and code rows, each scored by its own verifier (per-row)
+_CODE_EVAL_SPLITS = {"humaneval": "test", "livecodebench": "test", "eurus2-rl-code": "validation"}
+_CODE_EVAL_SPLITS["eurus2-rl-mix"] = "validation"
+for _name, _source in {**CODE_HUB_SOURCES, **EURUS2_CODE_SOURCES}.items():
+    DATASETS[_name] = DatasetInfo(
+        loader=lambda split, name=_name: load_code_hub(name, split),
+        reward_fn="per-row" if _name == "eurus2-rl-mix" else "code",
+        default_template="qwen-math" if _name == "eurus2-rl-mix" else "chat",
+        eval_split=_CODE_EVAL_SPLITS.get(_name, "test" if "test" in _source.splits else "train"),
+    )
+
+
 def dataset_info(name: str, flag: str = "--dataset") -> DatasetInfo:
     """The registry entry for ``name``; ``jsonl:<path>`` is scored with the math verifier.
 
@@ -179,6 +245,8 @@ def dataset_info(name: str, flag: str = "--dataset") -> DatasetInfo:
     """
     if name.startswith("jsonl:"):
         path = name[len("jsonl:") :]
+        if _jsonl_has_tests(path):  # code problems: a ``tests`` field in one of common/code_reward.py's formats
+            return DatasetInfo(loader=lambda split: _load_jsonl(path), reward_fn="code", default_template="chat")
         return DatasetInfo(loader=lambda split: _load_jsonl(path), reward_fn="math", default_template="qwen-math")
     base, sep, level_spec = name.partition(":")
     if sep and base in HUB_SOURCES and HUB_SOURCES[base].has_levels:

@@ -108,7 +108,7 @@ def evaluate(
     returns the metrics of the whole set.
     """
     from common.data import format_prompt
-    from common.verifiers import compute_rewards
+    from common.verifiers import compute_rewards, drain_reward_stats
 
     if cfg.max_problems:
         problems = problems[: cfg.max_problems]
@@ -136,6 +136,9 @@ def evaluate(
             (r.correct, len(c.token_ids), c.finish_reason == "length")
             for r, c in zip(compute_rewards(reward_fn, texts, golds), completions)
         ]
+        code_stats = drain_reward_stats()  # this pass's verifier metrics (code rewards), not the next train step's
+        if kind == "sampled":
+            metrics.update({f"eval/{name}/{key}": value for key, value in code_stats.items()})
         if gather is not None:
             results = gather(results)
         correct = [r[0] for r in results]

@@ -70,19 +70,46 @@ class Run:
         return (model, optimizer) if self.fsdp else self.accelerator.prepare(model, optimizer)
 
 
+CODE_REWARDS = ("code", "code-partial", "per-row")
+
+
+def check_sandbox(args) -> None:
+    """When the training or evaluation dataset is scored by running programs, probe the sandbox now, before any model
+    loads: print the rung in force (and why the rungs above it failed), or stop with what is missing. The rung goes
+    into the run's config.json (``common.tracking``)."""
+    from common.data import dataset_info
+    from common.sandbox import SandboxConfig, SandboxUnavailableError, configure
+
+    names = [args.dataset] + ([args.eval.dataset] if getattr(args, "eval", None) and args.eval.dataset else [])
+    if not any(dataset_info(name).reward_fn in CODE_REWARDS for name in names):
+        return
+    try:
+        sandbox = configure(getattr(args, "sandbox", None) or SandboxConfig())
+    except SandboxUnavailableError as e:
+        raise SystemExit(f"code rewards cannot start: {e}") from None
+    info = sandbox.describe()
+    failed = "; ".join(f"{rung}: {why}" for rung, why in info["rungs_failed"].items())
+    print(
+        f"sandbox: rung {info['rung']}" + (f" (above it: {failed})" if failed else "") + f", pids cgroup "
+        f"{info['pids_cgroup'] or 'none'}, {info['workers']} workers",
+        flush=True,
+    )
+
+
 def start_run(args) -> Run:
     """Check the shared flags, start the processes, choose precision and attention, claim the run folder, seed.
 
     Exits with a message naming the flag when a shared flag is invalid. Each process is seeded with seed + rank.
     """
     if args.learning_rate is None:
-        if args.model != "tiny":
+        if args.model not in ("tiny", "tiny-code"):
             raise SystemExit(
-                "--learning-rate is required for a model other than 'tiny' "
+                "--learning-rate is required for a model other than the shipped 'tiny' and 'tiny-code' "
                 "(the tiny default 1e-4 would wreck a 1.5B model; papers use ~1e-6)"
             )
         args.learning_rate = 1e-4
     check_sampling_flags(args)
+    check_sandbox(args)
     if (lora := getattr(args, "lora", None)) is not None:  # the correction mode as the script will resolve it
         check_lora(lora, resolve_correction(args.correction, args.rollout, max_lag=getattr(args, "max_lag", 1)).mode)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # the fast tokenizer's threads would fight the trainer's
@@ -222,7 +249,9 @@ def check_device(args) -> bool:
         return True
     gpu_vllm = importlib.util.find_spec("vllm") is not None and not _is_vllm_cpu_build()
     gpu_stack = torch.version.cuda is not None or gpu_vllm
-    if args.device == "cuda" or (gpu_stack and (args.model != "tiny" or args.rollout.backend == "vllm")):
+    if args.device == "cuda" or (
+        gpu_stack and (args.model not in ("tiny", "tiny-code") or args.rollout.backend == "vllm")
+    ):
         raise SystemExit(
             f"no usable CUDA device (torch {torch.__version__}, built for CUDA {torch.version.cuda}; "
             "torch.cuda.is_available() is False). vLLM 0.33's wheels and torch 2.14 from PyPI are CUDA 13 builds and "

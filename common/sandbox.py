@@ -61,6 +61,7 @@ BWRAP_RUNGS = ("bwrap", "bwrap-nopid", "bwrap-root")
 MEMORY_EXIT = 86  # common/sandbox_harness.py's exit code for MemoryError
 RESULT_MARKER = "\x00__SANDBOX_RESULT__\x00"
 SANDBOX_UID = 65534
+STARTUP_GRACE_S = 0.5  # added to a run's deadline for the sandbox's own start-up (about 50 ms here)
 FIXED_ENV = {
     "PYTHONHASHSEED": "0",
     "LANG": "C.UTF-8",
@@ -149,8 +150,9 @@ def _root_links() -> list[str]:
     return args
 
 
-def bwrap_argv(rung: str, limits: Limits, job_fd: int | None) -> list[str]:
-    """The full command line of ``rung`` (one of BWRAP_RUNGS) running the harness; ``job_fd`` a readable fd."""
+def bwrap_argv(rung: str, limits: Limits, job_fd: int | None, tag: str = "") -> list[str]:
+    """The full command line of ``rung`` (one of BWRAP_RUNGS) running the harness; ``job_fd`` a readable fd; ``tag``
+    an argument the harness ignores, so a test can find every process of one run by its command line."""
     exe, prefix = base_python()
     args = ["bwrap", "--die-with-parent", "--new-session", "--clearenv"]
     args += ["--unshare-net", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try", "--hostname", "sandbox"]
@@ -162,6 +164,8 @@ def bwrap_argv(rung: str, limits: Limits, job_fd: int | None) -> list[str]:
         args += ["--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
     args += ["--ro-bind", "/usr", "/usr", *_root_links()]
     if not prefix.startswith("/usr/"):
+        for parent in reversed(Path(prefix).parents[:-1]):  # traversable by nobody (e.g. /root of a pyenv)
+            args += ["--perms", "0755", "--dir", str(parent)]
         args += ["--ro-bind", prefix, prefix]
     minor = f"python{sys.version_info.major}.{sys.version_info.minor}"
     site = Path(prefix) / "lib" / minor / "site-packages"
@@ -175,7 +179,8 @@ def bwrap_argv(rung: str, limits: Limits, job_fd: int | None) -> list[str]:
         args += ["--ro-bind-data", str(job_fd), "/sandbox/job.json"]
     for key, value in FIXED_ENV.items():
         args += ["--setenv", key, value]
-    args += ["--chdir", "/work", exe, "-I", "/sandbox/harness.py"]
+    args += ["--remount-ro", "/"]  # the sandbox's own root (where bwrap made mount points) takes no writes
+    args += ["--chdir", "/work", exe, "-I", "/sandbox/harness.py"] + ([tag] if tag else [])
     return args
 
 
@@ -367,8 +372,9 @@ class Sandbox:
         """Run ``job`` on a pool thread; the future's result is a SandboxResult."""
         return self._pool.submit(self.run_job, job, stdin, limits)
 
-    def run_job(self, job: dict, stdin: str, limits: Limits) -> SandboxResult:
-        """One harness run. ``job["mode"] == "run"``: ``stdin`` is the program's; other modes carry their cases."""
+    def run_job(self, job: dict, stdin: str, limits: Limits, tag: str = "") -> SandboxResult:
+        """One harness run. ``job["mode"] == "run"``: ``stdin`` is the program's; other modes carry their cases.
+        ``tag`` is appended to the harness's command line (``bwrap_argv``)."""
         job = {
             "memory_mb": limits.memory_mb,
             "cpu_s": limits.timeout_s,
@@ -395,7 +401,7 @@ class Sandbox:
                 argv, env, cwd = self._unsafe_argv(job_fd), dict(FIXED_ENV), tempfile.mkdtemp(prefix="sandbox-")
                 env["HOME"] = cwd
             else:
-                argv, env, cwd = bwrap_argv(self.rung, limits, job_fd), {"PATH": "/usr/bin:/bin"}, "/"
+                argv, env, cwd = bwrap_argv(self.rung, limits, job_fd, tag), {"PATH": "/usr/bin:/bin"}, "/"
                 if self.cgroup_root is not None:
                     cgroup = _Cgroup(self.cgroup_root, limits.pids_max)
                     # a launcher shim joins the cgroup, then becomes bwrap: no preexec_fn in a threaded trainer
@@ -416,7 +422,7 @@ class Sandbox:
             if job_fd is not None:
                 os.close(job_fd)
                 job_fd = None
-            deadline = start + limits.timeout_s + 1.0  # +1 s: the sandbox's own start-up
+            deadline = start + limits.timeout_s + STARTUP_GRACE_S
             out, err, stop = _communicate(proc, stdin_bytes, deadline, limits.output_bytes)
             if stop:
                 self._kill(proc, cgroup)
@@ -446,7 +452,7 @@ class Sandbox:
         exe, _ = base_python()
         # no bwrap to place the job file: the harness reads it from the inherited fd instead
         bootstrap = (
-            f"import os,sys; sys.argv=['harness']; os.environ.clear(); "
+            f"import os,sys; sys.argv=['harness']; "
             f"ns={{'__name__':'sandbox_harness'}}; exec(open({str(HARNESS_PATH)!r}).read(), ns); "
             f"job=ns['json'].loads(os.read({job_fd},1<<30)) if {job_fd is not None} else ns['load_job'](); "
             f"ns['main'](job)"
@@ -521,6 +527,11 @@ def configure(config: SandboxConfig | None = None) -> Sandbox:
             _DEFAULT.close()
         _DEFAULT = sandbox
         return sandbox
+
+
+def configured() -> Sandbox | None:
+    """The process-wide sandbox if one was configured or probed, else None (nothing probed yet)."""
+    return _DEFAULT
 
 
 def get_sandbox() -> Sandbox:

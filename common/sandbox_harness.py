@@ -42,6 +42,9 @@ def set_limits(job):
         (resource.RLIMIT_NOFILE, job["open_files"]),
         (resource.RLIMIT_CORE, 0),
     ):
+        hard = resource.getrlimit(limit)[1]
+        if hard != resource.RLIM_INFINITY:  # already inside a sandbox (a remote service, a nested run)
+            value = min(value, hard)
         resource.setrlimit(limit, (value, value))
 
 

@@ -22,7 +22,9 @@ The claims testbed (``benchmarks/suites/claims.toml``) adds two variants built s
 from __future__ import annotations
 
 import functools
+import json
 import random
+import re
 from dataclasses import dataclass
 
 Problem = dict[str, str]  # prompt, answer, solution: see common/data.py
@@ -106,3 +108,184 @@ def load_arith(name: str, split: str) -> list[Problem]:
     if split not in ("train", "test"):
         raise ValueError(f"dataset {name!r} has splits 'train' and 'test', not {split!r}")
     return [dict(p) for p in _arith_split(name, split)]  # copies, so callers cannot corrupt the cache
+
+
+# ----------------------------------------------------------------------------------------------
+# code-expr: short programs graded by hidden stdin/stdout tests
+# ----------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class CodeSpec:
+    """Shape of the synthetic read-integers-print-an-expression task."""
+
+    max_vars: int = 3  # the program reads 2..max_vars integers, named a, b, c
+    max_constant: int = 9  # constants in the expression are drawn from 2..max_constant
+    max_input: int = 9  # test inputs are drawn from -max_input..max_input
+    num_tests: int = 10  # hidden stdin/stdout tests per problem
+
+
+CODE_SPECS = {
+    "code-expr": CodeSpec(),  # the tiny code task; its warm start is common/tiny_code_model (--model tiny-code)
+}
+CODE_TEST_SIZE = 200  # held-out problems per code task
+CODE_TEST_SEED = 999
+CODE_TRAIN_SIZE = 10_000
+CODE_TRAIN_SEED = 0
+CODE_VARS = "abc"
+CODE_OPS = "+-*"
+CODE_FUNCS = ("max", "min")
+_CODE_EXPR_RE = re.compile(r"[a-z0-9+\-*(),]+")
+_CODE_TOKEN_RE = re.compile(r"[a-z]+|\d+|.")
+_CODE_BUILTINS = {"__builtins__": {}, "max": max, "min": min, "abs": abs}
+
+
+def code_program(names: str, expr: str) -> str:
+    """The canonical program: read the integers ``names`` (e.g. ``"abc"``) from one stdin line, print ``expr``."""
+    return f"{','.join(names)}=map(int,input().split())\nprint({expr})\n"
+
+
+def code_solution(names: str, expr: str) -> str:
+    """The worked solution: exactly one fenced Python block holding ``code_program(names, expr)``."""
+    return f"```python\n{code_program(names, expr)}```"
+
+
+def eval_code_expr(expr: str, names: str, values: list[int]) -> int:
+    """Value of one of this module's own generated expressions (never model output) at ``values``."""
+    if not _CODE_EXPR_RE.fullmatch(expr):
+        raise ValueError(f"not a code-expr expression: {expr!r}")
+    return eval(_compile_code_expr(expr), dict(_CODE_BUILTINS), dict(zip(names, values)))
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _compile_code_expr(expr: str):
+    return compile(expr, "<code-expr>", "eval")  # trusted: built from this module's grammar (CODE_FORMS)
+
+
+# operand slots X (a variable or a constant), operators O (+ - *) and S (+ -), functions F (max, min)
+CODE_FORMS = ("XOX", "XOXOX", "XOXOXOX", "(XSX)*X", "(XSX)*XOX", "F(X,X)OX", "F(X,X)OXOX", "abs(XOX)", "abs(XOX)OX")
+
+
+def _code_expr(rng: random.Random, names: str, spec: CodeSpec) -> str:
+    """One expression over ``names`` in one of ``CODE_FORMS`` with at least one slot per variable, e.g. ``a+b*c``,
+    ``(c-a)*b+4``, ``max(a,b)-c`` or ``abs(a-b)*7``: each variable in a slot of its own, every other slot a variable
+    or a constant 2..max_constant (even odds)."""
+    form = rng.choice([f for f in CODE_FORMS if f.count("X") >= len(names)])
+    slots = form.count("X")
+    operands = [
+        rng.choice(names) if rng.random() < 0.5 else str(rng.randint(2, spec.max_constant)) for _ in range(slots)
+    ]
+    for name, slot in zip(names, rng.sample(range(slots), len(names))):
+        operands[slot] = name
+    operands.reverse()
+    out = []
+    for c in form.replace("abs", "@"):
+        if c == "X":
+            out.append(operands.pop())
+        elif c == "O":
+            out.append(rng.choice(CODE_OPS))
+        elif c == "S":
+            out.append(rng.choice("+-"))
+        elif c == "F":
+            out.append(rng.choice(CODE_FUNCS))
+        else:
+            out.append("abs" if c == "@" else c)
+    return "".join(out)
+
+
+def _code_tests(rng: random.Random, names: str, spec: CodeSpec) -> list[list[int]]:
+    """``spec.num_tests`` input rows: the first has one zero, the second is all negative, the rest uniform."""
+    values = range(-spec.max_input, spec.max_input + 1)
+    rows = [rng.choices(values, k=len(names)) for _ in range(spec.num_tests)]
+    rows[0][rng.randrange(len(names))] = 0
+    rows[1] = rng.choices(range(-spec.max_input, 0), k=len(names))
+    return rows
+
+
+def code_tests_json(rows: list[list[int]], outputs: list[int]) -> str:
+    """The gold: hidden tests in the stdin/stdout format ``{"inputs": ["3 4 5\n", ...], "outputs": ["7\n", ...]}``."""
+    return json.dumps(
+        {"inputs": [" ".join(map(str, row)) + "\n" for row in rows], "outputs": [f"{y}\n" for y in outputs]}
+    )
+
+
+def make_code_problem(rng: random.Random, spec: CodeSpec) -> Problem:
+    """One problem, e.g. prompt ``Read a b c. Print (a-b)*c.``, the solution
+
+    ```python
+    a,b,c=map(int,input().split())
+    print((a-b)*c)
+    ```
+
+    and the gold ``answer``: ``spec.num_tests`` hidden stdin/stdout tests as JSON (``code_tests_json``). Every read
+    variable appears in the expression, and the expression is not constant on the tests.
+    """
+    names = CODE_VARS[: rng.randint(2, spec.max_vars)]
+    while True:
+        expr = _code_expr(rng, names, spec)
+        rows = _code_tests(rng, names, spec)
+        outputs = [eval_code_expr(expr, names, row) for row in rows]
+        if len(set(outputs)) > 1:
+            break
+    return {
+        "prompt": f"Read {' '.join(names)}. Print {expr}.",
+        "answer": code_tests_json(rows, outputs),
+        "solution": code_solution(names, expr),
+        "verifier": "code",
+    }
+
+
+def corrupt_code_solution(problem: Problem, rng: random.Random) -> str:
+    """``problem``'s solution with one token of the printed expression changed so it fails a hidden test.
+
+    The changed token is an operator (``+ - *``), a variable (another one the program reads), a constant (another
+    2..9) or ``max``/``min`` (the other one): ``print(a*b-c)`` may become ``print(a*b+c)`` or ``print(a*a-c)``.
+    Candidates that still pass every test are redrawn, so a corrupted demonstration always fails at least one.
+    """
+    match = re.fullmatch(
+        r"```python\n([a-c](?:,[a-c])*)=map\(int,input\(\)\.split\(\)\)\nprint\((.+)\)\n```", problem["solution"]
+    )
+    if match is None:
+        raise ValueError(f"not a code-expr solution: {problem['solution']!r}")
+    names, expr = match.group(1).replace(",", ""), match.group(2)
+    tests = json.loads(problem["answer"])
+    rows = [[int(x) for x in line.split()] for line in tests["inputs"]]
+    expected = [int(out) for out in tests["outputs"]]
+    tokens = _CODE_TOKEN_RE.findall(expr)
+    choices = {
+        **{op: [o for o in CODE_OPS if o != op] for op in CODE_OPS},
+        **{v: [w for w in names if w != v] for v in names},
+        **{f: [g for g in CODE_FUNCS if g != f] for f in CODE_FUNCS},
+        **{str(k): [str(j) for j in range(2, 10) if j != k] for k in range(2, 10)},
+    }
+    positions = [i for i, t in enumerate(tokens) if choices.get(t)]
+    for _ in range(1000):
+        i = rng.choice(positions)
+        wrong = "".join(tokens[:i] + [rng.choice(choices[tokens[i]])] + tokens[i + 1 :])
+        if [eval_code_expr(wrong, names, row) for row in rows] != expected:
+            return code_solution(names, wrong)
+    raise ValueError(f"no corruption of {expr!r} fails a test")  # not reached for this grammar's expressions
+
+
+def make_code_problems(n: int, seed: int, spec: CodeSpec, exclude: set[str] | None = None) -> list[Problem]:
+    """``n`` problems from a seeded stream, skipping any whose prompt is in ``exclude``."""
+    rng, out = random.Random(seed), []
+    exclude = exclude or set()
+    while len(out) < n:
+        p = make_code_problem(rng, spec)
+        if p["prompt"] not in exclude:
+            out.append(p)
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def _code_split(name: str, split: str) -> tuple[Problem, ...]:
+    spec = CODE_SPECS[name]
+    test = make_code_problems(CODE_TEST_SIZE, CODE_TEST_SEED, spec)
+    if split == "test":
+        return tuple(test)
+    return tuple(make_code_problems(CODE_TRAIN_SIZE, CODE_TRAIN_SEED, spec, exclude={p["prompt"] for p in test}))
+
+
+def load_code(name: str, split: str) -> list[Problem]:
+    if split not in ("train", "test"):
+        raise ValueError(f"dataset {name!r} has splits 'train' and 'test', not {split!r}")
+    return [dict(p) for p in _code_split(name, split)]

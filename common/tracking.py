@@ -72,6 +72,10 @@ class Tracker:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
         record = {**dataclasses.asdict(config), **git_state(), "hardware": hardware(), "torch": torch.__version__}
+        from common.sandbox import configured  # the isolation rung in force, when this run grades programs
+
+        if (sandbox := configured()) is not None:
+            record["sandbox_in_force"] = sandbox.describe()
         (self.run_dir / "config.json").write_text(json.dumps(record, indent=2, default=str))
         if track:
             import wandb

@@ -291,7 +291,7 @@ def gpu_run(command: str):
     if found is None or found[0].__module__ == "common.evaluate":
         return None
     args = tyro.cli(found[0], args=found[1])
-    return (args, processes(tokens)) if args.model != "tiny" and args.device != "cpu" else None
+    return (args, processes(tokens)) if args.model not in ("tiny", "tiny-code") and args.device != "cpu" else None
 
 
 def check_planner_note(note: str | None, command: str, where: str) -> bool:
