@@ -1,4 +1,5 @@
-"""Rebuild the shipped tiny offline model in ``common/tiny_model/`` (no network, ~2 min on 2 CPU cores).
+"""Rebuild the shipped tiny offline models in ``common/tiny_model/`` and ``common/tiny_code_model/`` (no network,
+~2 min each on 2 CPU cores).
 
 1. Tokenizer: a byte-level BPE trained locally on the task's text, in exactly the Qwen2 layout (NFC
    normaliser, Qwen split regex, ByteLevel) because transformers 5.x reloads any ``qwen2`` tokenizer as
@@ -9,8 +10,11 @@
    learns the arithmetic, and also learns to copy a wrong final answer about half the time: its sampled
    accuracy lands in the RL regime, and a verifiable reward can fix the habit quickly. Held-out problems
    are never corrupted.
+   For a code task (``code-expr``) the demonstrations are programs, and a corrupted one has one operator, variable,
+   constant or max/min of its printed expression swapped, so that it fails at least one hidden test.
 
     python scripts/build_tiny_model.py                       # the shipped default
+    python scripts/build_tiny_model.py --task code-expr --bpe-merges 96 --sft-steps 300   # common/tiny_code_model
     python scripts/build_tiny_model.py --hidden 64 --layers 2 --sft-steps 0 --out /tmp/untrained64
 """
 
@@ -30,8 +34,8 @@ from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_toke
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast, Qwen2Config
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from common.data import TINY_MODEL_DIR, format_prompt, load_problems  # noqa: E402
-from common.tasks import ARITH_SPECS  # noqa: E402
+from common.data import TINY_CODE_MODEL_DIR, TINY_MODEL_DIR, format_prompt, load_problems  # noqa: E402
+from common.tasks import ARITH_SPECS, CODE_SPECS, corrupt_code_solution  # noqa: E402
 
 QWEN2_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
@@ -44,8 +48,9 @@ CHATML = (
 
 @dataclass
 class Args:
-    out: str = str(TINY_MODEL_DIR)
-    """output folder (model, tokenizer, generation config)"""
+    out: str = ""
+    """output folder (model, tokenizer, generation config); '' = the shipped one: common/tiny_model, or
+    common/tiny_code_model for a code task"""
     task: str = "arith"
     """synthetic task whose worked solutions are the SFT data"""
     seed: int = 0
@@ -64,7 +69,8 @@ class Args:
     """fraction of SFT demonstrations that are corrupted by ±1..3 (see ``corrupt``)"""
     corrupt: Literal["answer", "step"] = "answer"
     """what a corrupted demonstration gets wrong: the final boxed answer, or one intermediate result (the later
-    steps carry on from the wrong total)"""
+    steps carry on from the wrong total); for a code task 'answer' is the program's output (one token of the
+    printed expression swapped)"""
     bpe_merges: int = 24
     """BPE merges learned on top of the 256 byte symbols"""
 
@@ -135,7 +141,10 @@ def main() -> None:
     torch.manual_seed(args.seed)
     torch.set_num_threads(max(1, torch.get_num_threads()))
     rng = random.Random(args.seed)
-    out = Path(args.out)
+    code_task = args.task in CODE_SPECS
+    if code_task and args.corrupt != "answer":
+        raise SystemExit(f"--corrupt {args.corrupt}: a code task's demonstrations are corrupted by 'answer' only")
+    out = Path(args.out or (TINY_CODE_MODEL_DIR if code_task else TINY_MODEL_DIR))
     train = load_problems(args.task, "train")
     test = load_problems(args.task, "test")
 
@@ -170,22 +179,20 @@ def main() -> None:
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 50))
     model.train()
     start = time.time()
+
+    def demonstration(p: dict) -> str:  # the worked solution, corrupted with probability wrong_answer_prob
+        if rng.random() >= args.wrong_answer_prob:
+            return p["solution"]
+        if code_task:
+            return corrupt_code_solution(p, rng)
+        return (
+            corrupt(p["solution"], p["answer"], rng) if args.corrupt == "answer" else corrupt_step(p["solution"], rng)
+        )
+
     for step in range(args.sft_steps):
         batch = rng.sample(train, args.batch_size)
         prompts = [format_prompt(p["prompt"], "chat", tokenizer) for p in batch]
-        targets = [
-            (
-                (
-                    corrupt(p["solution"], p["answer"], rng)
-                    if args.corrupt == "answer"
-                    else corrupt_step(p["solution"], rng)
-                )
-                if rng.random() < args.wrong_answer_prob
-                else p["solution"]
-            )
-            + tokenizer.eos_token
-            for p in batch
-        ]
+        targets = [demonstration(p) + tokenizer.eos_token for p in batch]
         prompt_ids = [tokenizer(x)["input_ids"] for x in prompts]
         target_ids = [tokenizer(x)["input_ids"] for x in targets]
         width = max(len(a) + len(b) for a, b in zip(prompt_ids, target_ids))
@@ -210,6 +217,10 @@ def main() -> None:
     model.generation_config.bos_token_id = None
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
+    if code_task:
+        write_code_readme(out, args, model, tokenizer)
+        print(f"saved to {out} after {time.time() - start:.0f}s of SFT")
+        return
     spec = ARITH_SPECS[args.task]
     (out / "README.md").write_text(
         f"# tiny offline model\n\nBuilt by `python scripts/build_tiny_model.py` (seed {args.seed}): "
@@ -221,6 +232,27 @@ def main() -> None:
         f"{args.wrong_answer_prob:.0%} of the demonstrations.\n"
     )
     print(f"saved to {out} after {time.time() - start:.0f}s of SFT")
+
+
+def write_code_readme(out: Path, args: Args, model, tokenizer) -> None:
+    """The model card: the exact command (every flag that differs from its default), the model, the warm start."""
+    spec, defaults = CODE_SPECS[args.task], Args()
+    flags = "".join(
+        f" --{name.replace('_', '-')} {value}"
+        for name, value in vars(args).items()
+        if name != "out" and value != getattr(defaults, name)
+    )
+    (out / "README.md").write_text(
+        f"# tiny offline code model\n\nBuilt by `python scripts/build_tiny_model.py{flags}` "
+        f"(seed {args.seed}): Qwen2 architecture, hidden "
+        f"{args.hidden}, {args.layers} layers, {sum(p.numel() for p in model.parameters()):,} parameters, byte-level "
+        f"BPE vocab {len(tokenizer)}.\nWarm start: {args.sft_steps} SFT steps x batch {args.batch_size} on "
+        f"`{args.task}` programs (read 2..{spec.max_vars} integers, print an expression of them; "
+        f"{spec.num_tests} hidden stdin/stdout tests each), with one token of the printed expression swapped "
+        f"(an operator, variable, constant or max/min; the program then fails at least one hidden test) in "
+        f"{args.wrong_answer_prob:.0%} of the demonstrations.\nUse it as `--model tiny-code` with "
+        f"`--dataset {args.task}`.\n"
+    )
 
 
 if __name__ == "__main__":
