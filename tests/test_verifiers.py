@@ -275,7 +275,7 @@ def test_reward_functions_and_registry():
     assert V.get_reward_fn("math")("\\boxed{2}", "3") == V.RewardOutput(0.0, False)
     assert V.get_reward_fn("exact")("\\boxed{12}", "12") == V.RewardOutput(1.0, True)
     assert V.get_reward_fn("exact")("\\boxed{12.0}", "12") == V.RewardOutput(0.0, False)
-    assert set(V.REWARD_FNS) == {"math", "exact"}
+    assert set(V.REWARD_FNS) == {"math", "exact", "code", "code-partial", "per-row"}
     assert V.compute_rewards("math", ["\\boxed{1/2}", "\\boxed{1}"], ["0.5", "0.5"]) == [
         V.RewardOutput(1.0, True),
         V.RewardOutput(0.0, False),
