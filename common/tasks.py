@@ -3,7 +3,13 @@
 ``arith`` (the tiny default) is chain arithmetic such as ``4+7-2=?`` with the worked solution
 ``4+7=11;11-2=9;\\boxed{9}`` and the gold answer ``9``; ``arith-hard`` has one operand more than the shipped model's
 warm start saw. Each task's held-out split is disjoint from its train split. ``common/data.py`` registers every
-task here by name, scored with the exact-match verifier.
+task here by name, the arith tasks scored with the exact-match verifier.
+
+``code-expr`` is the tiny code task: the prompt ``Read a b c. Print (a-b)*c.`` asks for a program, the worked solution
+is one fenced Python block (``a,b,c=map(int,input().split())`` then ``print((a-b)*c)``), and the gold answer is 10
+hidden stdin/stdout tests as JSON, graded by the ``code`` verifier (every problem says ``"verifier": "code"``). Its
+warm start (``--model tiny-code``, ``scripts/build_tiny_model.py --task code-expr``) saw one token of the printed
+expression swapped in half the demonstrations (``corrupt_code_solution``), so RL has a habit to remove.
 
 The claims testbed (``benchmarks/suites/claims.toml``) adds two variants built so a paper's mechanism can act:
 
@@ -27,7 +33,7 @@ import random
 import re
 from dataclasses import dataclass
 
-Problem = dict[str, str]  # prompt, answer, solution: see common/data.py
+Problem = dict[str, str]  # prompt, answer, solution (code tasks: and verifier): see common/data.py
 
 
 # ----------------------------------------------------------------------------------------------
@@ -161,7 +167,8 @@ def _compile_code_expr(expr: str):
 
 
 # operand slots X (a variable or a constant), operators O (+ - *) and S (+ -), functions F (max, min)
-CODE_FORMS = ("XOX", "XOXOX", "XOXOXOX", "(XSX)*X", "(XSX)*XOX", "F(X,X)OX", "F(X,X)OXOX", "abs(XOX)", "abs(XOX)OX")
+# (no bare abs(XOX): its rare closing "))" is the one bracket pattern a 1M-parameter warm start fails to copy)
+CODE_FORMS = ("XOX", "XOXOX", "XOXOXOX", "(XSX)*X", "(XSX)*XOX", "F(X,X)OX", "F(X,X)OXOX", "abs(XOX)OX")
 
 
 def _code_expr(rng: random.Random, names: str, spec: CodeSpec) -> str:
@@ -201,7 +208,7 @@ def _code_tests(rng: random.Random, names: str, spec: CodeSpec) -> list[list[int
 
 
 def code_tests_json(rows: list[list[int]], outputs: list[int]) -> str:
-    """The gold: hidden tests in the stdin/stdout format ``{"inputs": ["3 4 5\n", ...], "outputs": ["7\n", ...]}``."""
+    """The gold: hidden tests in the stdin/stdout format ``{"inputs": ["3 4 5\\n", ...], "outputs": ["7\\n", ...]}``."""
     return json.dumps(
         {"inputs": [" ".join(map(str, row)) + "\n" for row in rows], "outputs": [f"{y}\n" for y in outputs]}
     )

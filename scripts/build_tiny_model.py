@@ -14,7 +14,7 @@
    constant or max/min of its printed expression swapped, so that it fails at least one hidden test.
 
     python scripts/build_tiny_model.py                       # the shipped default
-    python scripts/build_tiny_model.py --task code-expr --bpe-merges 96 --sft-steps 300   # common/tiny_code_model
+    python scripts/build_tiny_model.py --task code-expr      # common/tiny_code_model
     python scripts/build_tiny_model.py --hidden 64 --layers 2 --sft-steps 0 --out /tmp/untrained64
 """
 
@@ -71,8 +71,9 @@ class Args:
     """what a corrupted demonstration gets wrong: the final boxed answer, or one intermediate result (the later
     steps carry on from the wrong total); for a code task 'answer' is the program's output (one token of the
     printed expression swapped)"""
-    bpe_merges: int = 24
-    """BPE merges learned on top of the 256 byte symbols"""
+    bpe_merges: int | None = None
+    """BPE merges learned on top of the 256 byte symbols (None = the task's: 24 for arith, 96 for a code task, whose
+    boilerplate ``a,b=map(int,input().split())`` then takes a few tokens)"""
 
 
 def build_tokenizer(texts: list[str], num_merges: int) -> PreTrainedTokenizerFast:
@@ -150,9 +151,10 @@ def main() -> None:
 
     # tokenizer: train, save, and reload through AutoTokenizer to prove the round trip
     corpus = [f"user\n{p['prompt']}assistant\n{p['solution']}" for p in train[:5000]]
-    build_tokenizer(corpus, args.bpe_merges).save_pretrained(out)
+    merges = args.bpe_merges if args.bpe_merges is not None else (96 if code_task else 24)
+    build_tokenizer(corpus, merges).save_pretrained(out)
     config = Qwen2Config(
-        vocab_size=256 + 3 + args.bpe_merges,
+        vocab_size=256 + 3 + merges,
         hidden_size=args.hidden,
         intermediate_size=4 * args.hidden,
         num_hidden_layers=args.layers,

@@ -78,12 +78,13 @@ def test_sizes_disjoint_and_deterministic(splits):
 def test_first_problem_is_pinned(splits):
     # the shipped tiny-code model was warm-started on this exact stream; values below worked out by hand
     problem = splits[1][0]
-    assert problem["prompt"] == "Read a b. Print abs(b+7)-a."
-    assert problem["solution"] == "```python\na,b=map(int,input().split())\nprint(abs(b+7)-a)\n```"
+    assert problem["prompt"] == "Read a b. Print abs(a*b)+5."
+    assert problem["solution"] == "```python\na,b=map(int,input().split())\nprint(abs(a*b)+5)\n```"
     assert problem["verifier"] == "code"
     tests = json.loads(problem["answer"])
-    assert tests["inputs"][:2] == ["9 0\n", "-8 -4\n"] and tests["outputs"][:2] == ["-2\n", "11\n"]  # |0+7|-9; |-4+7|+8
-    assert (tests["inputs"][3], tests["outputs"][3]) == ("6 -2\n", "-1\n")  # |-2+7|-6
+    assert tests["inputs"][:3] == ["0 -5\n", "-4 -5\n", "-5 2\n"]
+    assert tests["outputs"][:3] == ["5\n", "25\n", "15\n"]  # |0*-5|+5, |-4*-5|+5, |-5*2|+5
+    assert splits[0][0]["prompt"] == "Read a b c. Print abs(c*a)+b."
 
 
 def test_problem_shape(splits):
@@ -169,7 +170,7 @@ def test_shipped_tokenizer_fits_the_default_budget(splits):
     from common.data import format_prompt
 
     tokenizer = AutoTokenizer.from_pretrained(TINY_CODE_MODEL_DIR)
-    for p in splits[1]:
+    for p in splits[1][:50]:
         text = format_prompt(p["prompt"], "chat", tokenizer) + p["solution"]
         assert tokenizer.decode(tokenizer(text)["input_ids"]) == text
         # the scripts' default --max-new-tokens is 40: a solution plus its end-of-turn token fits with room to spare
@@ -189,3 +190,8 @@ def test_code_reward_grades_the_task():
         pytest.skip(f"no sandbox rung on this machine: {e}")
     assert [r.correct for r in rewards] == [True] * 8 + [False] * 8
     assert [r.reward for r in rewards] == [1.0] * 8 + [0.0] * 8
+
+
+def test_shipped_model_card_names_the_command():
+    card = (TINY_CODE_MODEL_DIR / "README.md").read_text()
+    assert "`python scripts/build_tiny_model.py --task code-expr` (seed 0)" in card
