@@ -8,8 +8,10 @@ The gold of a code problem is a JSON string of tests in one of three formats (``
     test code     {"test": "<asserts, or def check(candidate)>", "entry_point": "f"}   HumanEval, MBPP (evaluation)
 
 The program is the completion's last fenced code block: the last ```` ```python ```` / ```` ```py ```` block, else
-the last plain fence (``extract_program``). One sandboxed run per completion executes all of its tests (one forked
-child per case, ``common/sandbox_harness.py``); completions grade in parallel on the sandbox's worker pool.
+the last plain fence (``extract_program``). A program's tests all run in one forked process of its own (each case
+with its own stdin/stdout files and alarm, ``common/sandbox_harness.py``); up to MAX_PROGRAMS_PER_RUN programs share
+one sandbox run, one after another, where the sandbox has its own pid namespace: between two programs every process
+of the first is killed and the scratch folders emptied. Runs go in parallel on the sandbox's worker pool.
 
 The grade cannot be forged from inside the sandbox: in the stdin/stdout and call-based formats the expected outputs
 never enter it, and the trainer compares what the program printed (each output line with trailing whitespace
@@ -28,7 +30,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from common.sandbox import Limits, SandboxConfig, SandboxResult, get_sandbox, parse_case_results
+from common.sandbox import Limits, SandboxConfig, get_sandbox, parse_program_results
 
 _FENCE_RE = re.compile(r"```([A-Za-z0-9_+-]*)[^\n]*\n(.*?)```", re.DOTALL)
 PYTHON_TAGS = ("python", "py", "python3")
@@ -129,21 +131,24 @@ class CodeGrade:
         return self.passed / self.total if self.total else 0.0
 
 
-def _job(program: str, tests: dict) -> tuple[dict, int, str]:
-    """The harness job for one program; returns (job, number of tests, the sentinel or "")."""
+MAX_PROGRAMS_PER_RUN = 16
+"""Programs graded one after another in one sandbox run (its start-up, ~20-60 ms, is paid once per run)."""
+
+
+def _program(source: str, tests: dict, timeout_s: float) -> tuple[dict, str]:
+    """The harness's description of one program and its cases; returns it and its sentinel ("" unless test code)."""
     if tests["format"] == "test":
         sentinel = "PASSED-" + secrets.token_hex(16)
-        job = {"mode": "test", "cases": [""], "test": tests["test"], "entry_point": tests["entry_point"]}
-        return job | {"source": program, "sentinel": sentinel}, 1, sentinel
-    mode = "call" if tests["format"] == "call" else "stdio"
-    job = {"mode": mode, "source": program, "cases": tests["inputs"], "fn_name": tests.get("fn_name", "")}
-    return job, len(tests["inputs"]), ""
+        program = {"kind": "test", "cases": [""], "test": tests["test"], "entry_point": tests["entry_point"]}
+        return program | {"source": source, "sentinel": sentinel, "timeout_s": timeout_s}, sentinel
+    kind = "call" if tests["format"] == "call" else "stdio"
+    program = {"kind": kind, "source": source, "cases": tests["inputs"], "fn_name": tests.get("fn_name", "")}
+    return program | {"timeout_s": timeout_s}, ""
 
 
-def _grade_result(result: SandboxResult, tests: dict, total: int, sentinel: str) -> CodeGrade:
-    cases = parse_case_results(result)
-    if cases is None:  # the whole run failed: killed at its deadline, out of output, or the sandbox broke
-        return CodeGrade(0, total, [result.status if result.status != "ok" else "error"] * total)
+def _grade_cases(cases: list[dict] | None, tests: dict, total: int, sentinel: str, died: str) -> CodeGrade:
+    if cases is None:  # the program never reported: it took its sandbox run down with it
+        return CodeGrade(0, total, [died] * total)
     statuses = []
     for i in range(total):
         case = cases[i] if i < len(cases) else {"status": "not_run"}
@@ -161,36 +166,73 @@ def _grade_result(result: SandboxResult, tests: dict, total: int, sentinel: str)
     return CodeGrade(statuses.count("pass"), total, statuses)
 
 
+def _run_programs(sandbox, programs: list[dict], config: SandboxConfig) -> list[list[dict] | None]:
+    """Grade ``programs`` in sandbox runs of up to MAX_PROGRAMS_PER_RUN, in parallel; one per run where the rung has
+    no pid namespace of its own (nothing then guarantees a program leaves nothing behind for the next). A program
+    that brings its run down is failed; the programs after it in that run are graded again, each in a run of its own,
+    so one hostile program cannot cost its neighbours their reward."""
+    shared = sandbox.rung in ("bwrap", "bwrap-root")
+    per_run = MAX_PROGRAMS_PER_RUN if shared else 1
+    if shared:  # enough runs to keep every worker busy
+        workers = sandbox.describe()["workers"]
+        per_run = max(1, min(per_run, -(-len(programs) // (2 * workers))))
+    common = {"mode": "grade", "case_timeout_s": config.case_timeout_s, "case_output_bytes": 1 << 16}
+
+    def submit(indices: list[int]):
+        job = common | {"programs": [programs[i] for i in indices], "kill_all": shared}
+        limits = Limits(timeout_s=sum(programs[i]["timeout_s"] for i in indices) + 0.5, memory_mb=config.memory_mb)
+        return indices, sandbox.submit(job, "", limits)
+
+    runs = [
+        submit(list(range(start, min(start + per_run, len(programs))))) for start in range(0, len(programs), per_run)
+    ]
+    results: list[list[dict] | None] = [None] * len(programs)
+    again = []
+    for indices, future in runs:
+        found = parse_program_results(future.result())
+        for position, index in enumerate(indices):
+            if position in found:
+                results[index] = found[position]
+            elif position == len(found) or len(indices) == 1:  # the program that was running when the run ended
+                results[index] = None
+            else:
+                again.append(index)
+    for indices, future in [submit([i]) for i in again]:
+        results[indices[0]] = parse_program_results(future.result()).get(0)
+    return results
+
+
 def grade_code_batch(
     completions: Sequence[str], golds: Sequence[str], config: SandboxConfig | None = None
 ) -> list[CodeGrade]:
-    """Grade every completion against its gold tests, one sandboxed run per completion, in parallel.
+    """Grade every completion against its gold tests in the sandbox, in parallel.
 
-    A completion without a program, or a gold that is not a tests string, fails every test ("no_code"; a bad gold
-    raises ValueError naming the row instead, since it is the dataset's fault, not the policy's).
+    A completion without a program fails every test ("no_code"); a gold that is not a tests string raises
+    ValueError naming the row, since it is the dataset's fault, not the policy's.
     """
-    config = config or get_sandbox().config
     sandbox = get_sandbox()
-    pending = []
+    config = config or sandbox.config
+    parsed, programs, owners = [], [], []
     for row, (completion, gold) in enumerate(zip(completions, golds)):
         try:
             tests = load_tests(gold)
         except ValueError as e:
             raise ValueError(f"code reward, row {row}: {e}") from None
-        program = extract_program(completion)
-        if program is None:
-            pending.append((None, tests, 1 if tests["format"] == "test" else len(tests["inputs"]), ""))
-            continue
-        job, total, sentinel = _job(program, tests)
-        job |= {"case_timeout_s": config.case_timeout_s, "case_output_bytes": 1 << 16}
-        limits = Limits(timeout_s=config.timeout_s, memory_mb=config.memory_mb)
-        pending.append((sandbox.submit(job, "", limits), tests, total, sentinel))
+        source = extract_program(completion)
+        total = 1 if tests["format"] == "test" else len(tests["inputs"])
+        sentinel = ""
+        if source is not None:
+            program, sentinel = _program(source, tests, config.timeout_s)
+            programs.append(program)
+            owners.append(row)
+        parsed.append((tests, total, sentinel, source is not None))
+    ran = dict(zip(owners, _run_programs(sandbox, programs, config))) if programs else {}
     grades = []
-    for future, tests, total, sentinel in pending:
-        if future is None:
+    for row, (tests, total, sentinel, has_program) in enumerate(parsed):
+        if not has_program:
             grades.append(CodeGrade(0, total, ["no_code"] * total))
         else:
-            grades.append(_grade_result(future.result(), tests, total, sentinel))
+            grades.append(_grade_cases(ran[row], tests, total, sentinel, "crashed"))
     return grades
 
 

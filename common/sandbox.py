@@ -556,16 +556,21 @@ def run_python(source: str, stdin: str = "", timeout_s: float = 10.0, memory_mb:
     return get_sandbox().submit({"mode": "run", "source": source}, stdin, limits).result()
 
 
-def parse_case_results(result: SandboxResult) -> list[dict] | None:
-    """The per-case results line a grading job printed last, or None if it printed none (it crashed or was killed)."""
-    at = result.stdout.rfind(RESULT_MARKER)
-    if at < 0:
-        return None
-    try:
-        cases = json.loads(result.stdout[at + len(RESULT_MARKER) :].splitlines()[0])
-    except (ValueError, IndexError):
-        return None
-    return cases if isinstance(cases, list) and all(isinstance(c, dict) for c in cases) else None
+def parse_program_results(result: SandboxResult) -> dict[int, list[dict]]:
+    """The per-program results lines a grading job printed (program index -> its cases); a program whose line is
+    missing was cut off (the run died or hit its deadline while it ran, or before it started)."""
+    found: dict[int, list[dict]] = {}
+    for line in result.stdout.split("\n"):
+        if not line.startswith(RESULT_MARKER):
+            continue
+        try:
+            record = json.loads(line[len(RESULT_MARKER) :])
+        except ValueError:
+            continue
+        if isinstance(record, dict) and isinstance(record.get("index"), int) and isinstance(record.get("cases"), list):
+            if all(isinstance(c, dict) for c in record["cases"]):
+                found.setdefault(record["index"], record["cases"])
+    return found
 
 
 __all__ = [
@@ -578,5 +583,5 @@ __all__ = [
     "configure",
     "get_sandbox",
     "run_python",
-    "parse_case_results",
+    "parse_program_results",
 ]

@@ -93,68 +93,6 @@ def flush_and_exit(code):
     os._exit(code)
 
 
-def child_case(job, index, case_input):
-    """In a forked child: redirect fds 0-2 to this case's files, run the program, exit with its status."""
-    os.setpgid(0, 0)
-    cpu = min(max(1, int(job["case_timeout_s"] + 0.999)), resource.getrlimit(resource.RLIMIT_CPU)[1])
-    resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu))
-    base = f"{CASE_DIR}/{index}"
-    with open(base + ".in", "w", encoding="utf-8", errors="surrogateescape") as f:
-        f.write(case_input if isinstance(case_input, str) else "")
-    fd_in = os.open(base + ".in", os.O_RDONLY)
-    fd_out = os.open(base + ".out", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    fd_err = os.open(base + ".err", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    for fd, target in ((fd_in, 0), (fd_out, 1), (fd_err, 2)):
-        os.dup2(fd, target)
-        os.close(fd)
-    sys.stdin = open(0, "r", encoding="utf-8", errors="replace", closefd=False)
-    sys.stdout = open(1, "w", encoding="utf-8", errors="replace", closefd=False)
-    sys.stderr = open(2, "w", encoding="utf-8", errors="replace", closefd=False)
-    mode = job["mode"]
-    if mode == "stdio":
-        code, _ = run_source(job["source"])
-        flush_and_exit(code)
-    if mode == "call":
-        code, namespace = run_source(job["source"])
-        if code:
-            flush_and_exit(code)
-        name = job["fn_name"]
-        fn = namespace.get(name)
-        if not callable(fn) and isinstance(namespace.get("Solution"), type):
-            fn = getattr(namespace["Solution"](), name, None)
-        if not callable(fn):
-            print(f"no function {name!r} defined", file=sys.stderr)
-            flush_and_exit(1)
-        try:
-            value = fn(*case_input)
-            text = json.dumps(value)  # an object that only pretends to equal something does not serialise
-        except MemoryError:
-            flush_and_exit(MEMORY_EXIT)
-        except BaseException:
-            traceback.print_exc()
-            flush_and_exit(1)
-        with open(base + ".ret", "w", encoding="utf-8") as f:
-            f.write(text)
-        flush_and_exit(0)
-    # mode == "test": program, then its checks, then the sentinel after the last check
-    code, namespace = run_source(job["source"])
-    if code:
-        flush_and_exit(code)
-    guard_functions(namespace)
-    checks = job["test"]
-    if job.get("entry_point"):
-        checks += f"\n\ncheck({job['entry_point']})\n"
-    try:
-        exec(compile(checks, "<tests>", "exec"), namespace)
-    except MemoryError:
-        flush_and_exit(MEMORY_EXIT)
-    except BaseException:
-        traceback.print_exc()
-        flush_and_exit(1)
-    sys.stdout.write("\n" + job["sentinel"] + "\n")
-    flush_and_exit(0)
-
-
 _PLAIN_SCALARS = (int, float, complex, str, bytes, bool, type(None))
 _type, _list, _tuple, _dict, _set, _frozenset = type, list, tuple, dict, set, frozenset  # before any program runs
 
@@ -188,84 +126,217 @@ def guard_functions(namespace):
             namespace[name] = guarded(obj)
 
 
-class _Deadline(Exception):
-    pass
+class CaseTimeout(BaseException):
+    """Raised by the case alarm inside a program's process; a program that swallows it meets the program's deadline."""
 
 
 def _on_alarm(signum, frame):
-    raise _Deadline
+    raise CaseTimeout
 
 
 def read_capped(path, cap):
     try:
         with open(path, "rb") as f:
-            data = f.read(cap + 1)
+            return f.read(cap + 1)
     except OSError:
         return b""
-    return data
 
 
-def run_cases(job):
-    """One forked child per case; prints the results line. Never raises."""
-    os.makedirs(CASE_DIR, exist_ok=True)
-    signal.signal(signal.SIGALRM, _on_alarm)
-    results, cap = [], job["case_output_bytes"]
-    for index, case_input in enumerate(job["cases"]):
-        sys.stdout.flush()
-        pid = os.fork()
-        if pid == 0:
-            try:
-                child_case(job, index, case_input)
-            finally:
-                os._exit(1)
-        status = "ok"
+def _redirect(base, case_input):
+    """fds 0, 1, 2 of this process become the case's input, output and error files; sys.std* follow them."""
+    with open(base + ".in", "w", encoding="utf-8", errors="surrogateescape") as f:
+        f.write(case_input if isinstance(case_input, str) else "")
+    for path, target, flags in (
+        (base + ".in", 0, os.O_RDONLY),
+        (base + ".out", 1, os.O_WRONLY | os.O_CREAT | os.O_TRUNC),
+        (base + ".err", 2, os.O_WRONLY | os.O_CREAT | os.O_TRUNC),
+    ):
+        fd = os.open(path, flags, 0o600)
+        os.dup2(fd, target)
+        os.close(fd)
+    sys.stdin = open(0, "r", encoding="utf-8", errors="replace", closefd=False)
+    sys.stdout = open(1, "w", encoding="utf-8", errors="replace", closefd=False)
+    sys.stderr = open(2, "w", encoding="utf-8", errors="replace", closefd=False)
+
+
+def _run_case(program, code, index, case_input, base):
+    """One case inside the program's process: returns (status, exit_code, returned JSON or None)."""
+    namespace = {"__name__": "__main__", "__builtins__": __builtins__}
+    returned = None
+    try:
+        exec(code, namespace)
+        if program["kind"] == "call":
+            name = program["fn_name"]
+            fn = namespace.get(name)
+            if not callable(fn) and isinstance(namespace.get("Solution"), type):
+                fn = getattr(namespace["Solution"](), name, None)
+            if not callable(fn):
+                raise NameError(f"no function {name!r} defined")
+            returned = json.dumps(fn(*case_input))  # an object that only pretends to equal something fails here
+        elif program["kind"] == "test":
+            guard_functions(namespace)
+            checks = program["test"]
+            if program.get("entry_point"):
+                checks += f"\n\ncheck({program['entry_point']})\n"
+            exec(compile(checks, "<tests>", "exec"), namespace)
+            sys.stdout.write("\n" + program["sentinel"] + "\n")
+        status, exit_code = "ok", 0
+    except SystemExit as e:
+        exit_code = 0 if e.code is None else (e.code & 0xFF if isinstance(e.code, int) else 1)
+        status = "ok" if exit_code == 0 and program["kind"] == "stdio" else "error"
+    except CaseTimeout:
+        status, exit_code = "timeout", None
+    except MemoryError:
+        status, exit_code = "memory", MEMORY_EXIT
+    except BaseException:
+        status, exit_code = "error", 1
         try:
-            signal.setitimer(signal.ITIMER_REAL, job["case_timeout_s"])
-            _, wait_status = os.waitpid(pid, 0)
-            signal.setitimer(signal.ITIMER_REAL, 0)
-        except _Deadline:
-            status = "timeout"
-            for target in (lambda: os.killpg(pid, signal.SIGKILL), lambda: os.kill(pid, signal.SIGKILL)):
-                try:
-                    target()
-                except OSError:
-                    pass
-            _, wait_status = os.waitpid(pid, 0)
-        try:
-            os.killpg(pid, signal.SIGKILL)  # what the case left running in its group
-        except OSError:
+            traceback.print_exc()
+        except BaseException:
             pass
-        base = f"{CASE_DIR}/{index}"
-        out, err = read_capped(base + ".out", cap), read_capped(base + ".err", 4096)
-        exit_code = os.waitstatus_to_exitcode(wait_status)
-        if status == "ok":
-            if exit_code == -signal.SIGXCPU:
-                status = "timeout"
-            elif exit_code == -signal.SIGXFSZ or len(out) > cap:
-                status = "output_limit"
-            elif exit_code == MEMORY_EXIT:
-                status = "memory"
-            elif exit_code != 0:
-                status = "error"
-        result = {
-            "status": status,
-            "exit_code": exit_code,
-            "stdout": out[:cap].decode("utf-8", "replace"),
-            "stderr": err[-2000:].decode("utf-8", "replace"),
-        }
-        if job["mode"] == "call" and status == "ok":
-            ret = read_capped(base + ".ret", cap)
-            result["return"] = ret[:cap].decode("utf-8", "replace") if len(ret) <= cap else None
-        results.append(result)
-        for suffix in (".in", ".out", ".err", ".ret"):
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+    return status, exit_code, returned
+
+
+def program_child(job, program, folder):
+    """In the forked child of one program: every case in this one process, each with its own fds 0-2 and alarm;
+    each case's outcome goes to ``<folder>/<k>.done`` as soon as it is known."""
+    os.setpgid(0, 0)
+    cpu = min(max(1, int(program["timeout_s"] + 0.999)), resource.getrlimit(resource.RLIMIT_CPU)[1])
+    resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu))
+    signal.signal(signal.SIGALRM, _on_alarm)
+    try:
+        code = compile(program["source"], "<program>", "exec")
+    except BaseException:
+        code = None
+    for index, case_input in enumerate(program["cases"]):
+        base = f"{folder}/{index}"
+        _redirect(base, case_input)
+        if code is None:
+            status, exit_code, returned = "error", 1, None
+            print("SyntaxError: the program does not compile", file=sys.stderr)
+        else:
+            signal.setitimer(signal.ITIMER_REAL, job["case_timeout_s"])
+            status, exit_code, returned = _run_case(program, code, index, case_input, base)
+        for stream in (sys.stdout, sys.stderr):
             try:
-                os.unlink(base + suffix)
+                stream.flush()
+            except BaseException:
+                pass
+        done = {"status": status, "exit_code": exit_code, "return": returned}
+        fd = os.open(base + ".done", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.write(fd, json.dumps(done).encode())
+        os.close(fd)
+    os._exit(0)
+
+
+def _wait(pid, timeout_s):
+    """waitpid with a deadline; returns (wait status, timed out)."""
+    signal.signal(signal.SIGALRM, _on_alarm)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, timeout_s)
+        _, status = os.waitpid(pid, 0)
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        return status, False
+    except CaseTimeout:
+        for target in (lambda: os.killpg(pid, signal.SIGKILL), lambda: os.kill(pid, signal.SIGKILL)):
+            try:
+                target()
             except OSError:
                 pass
-        if job.get("stop_on_failure") and status != "ok":
-            break
-    sys.stdout.write(RESULT_MARKER + json.dumps(results) + "\n")
+        return os.waitpid(pid, 0)[1], True
+
+
+def wipe(top):
+    """Empty ``top`` (a scratch tmpfs), whatever modes the program left on what it made there."""
+    for root, dirs, _ in os.walk(top):
+        for d in dirs:
+            try:
+                os.chmod(os.path.join(root, d), 0o700)
+            except OSError:
+                pass
+    for root, dirs, files in os.walk(top, topdown=False):
+        for name in files:
+            try:
+                os.unlink(os.path.join(root, name))
+            except OSError:
+                pass
+        for name in dirs:
+            try:
+                os.rmdir(os.path.join(root, name))
+            except OSError:
+                pass
+
+
+def grade_program(job, index, program):
+    """Run one program's cases in a forked child; afterwards nothing of it is left: with ``kill_all`` (a pid
+    namespace of our own) every other process in the sandbox is killed, and the scratch folders are emptied."""
+    folder = f"{CASE_DIR}/{index}"
+    os.makedirs(folder, exist_ok=True)
     sys.stdout.flush()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            program_child(job, program, folder)
+        finally:
+            os._exit(1)
+    wait_status, timed_out = _wait(pid, program["timeout_s"])
+    if job.get("kill_all"):
+        try:
+            os.kill(-1, signal.SIGKILL)  # everything but this harness and the namespace's init
+        except OSError:
+            pass
+    else:
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except OSError:
+            pass
+    exit_code = os.waitstatus_to_exitcode(wait_status)
+    died = "timeout" if timed_out or exit_code == -signal.SIGXCPU else "memory" if exit_code == MEMORY_EXIT else "error"
+    cap, cases = job["case_output_bytes"], []
+    for k in range(len(program["cases"])):
+        base = f"{folder}/{k}"
+        out, err = read_capped(base + ".out", cap), read_capped(base + ".err", 4096)
+        try:
+            done = json.loads(read_capped(base + ".done", 1 << 20).decode("utf-8", "replace") or "null")
+        except ValueError:
+            done = None
+        if not isinstance(done, dict):  # the process died or was killed in (or before) this case
+            done = {"status": died if k == len(cases) else "not_run", "exit_code": exit_code, "return": None}
+        status = str(done.get("status"))
+        if status == "ok" and len(out) > cap:
+            status = "output_limit"
+        case = {"status": status, "exit_code": done.get("exit_code"), "stdout": out[:cap].decode("utf-8", "replace")}
+        case["stderr"] = err[-2000:].decode("utf-8", "replace")
+        if program["kind"] == "call" and status == "ok":
+            ret = done.get("return")
+            case["return"] = ret if isinstance(ret, str) and len(ret) <= cap else None
+        cases.append(case)
+    for top in ("/tmp", "/dev/shm", os.getcwd()):
+        wipe(top)
+    return cases
+
+
+def make_undumpable():
+    """No process of this uid may ptrace this one or read its /proc/<pid>/mem and fds (a program's children inherit
+    it): a program cannot reach into the harness that grades the next program."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE = 4
+    except (OSError, AttributeError):
+        pass
+
+
+def run_grading(job):
+    """Each program in turn; one results line per program, printed as soon as it is graded."""
+    make_undumpable()
+    os.makedirs(CASE_DIR, exist_ok=True)
+    for index, program in enumerate(job["programs"]):
+        cases = grade_program(job, index, program)
+        sys.stdout.write(RESULT_MARKER + json.dumps({"index": index, "cases": cases}) + "\n")
+        sys.stdout.flush()
 
 
 def _exit(code=None):
@@ -281,7 +352,7 @@ def main(job):
     if job["mode"] == "run":
         code, _ = run_source(job["source"])
         flush_and_exit(code)
-    run_cases(job)
+    run_grading(job)
     flush_and_exit(0)
 
 

@@ -245,9 +245,9 @@ def test_remote_backend_against_a_stub(stub_server):
         assert remote.rung == "remote" and remote.describe()["url"] == url
         got = remote.run_job({"mode": "run", "source": "print(input() * 2)"}, "ab\n", sb.Limits())
         assert (got.status, got.stdout) == ("ok", "abab\n")
-        job = {"mode": "stdio", "source": "print(sum(map(int, input().split())))", "cases": ["1 2\n", "5 5\n"]}
-        job |= {"fn_name": "", "case_timeout_s": 2, "case_output_bytes": 4096}
-        cases = sb.parse_case_results(remote.run_job(job, "", sb.Limits()))
+        program = {"kind": "stdio", "source": "print(sum(map(int, input().split())))", "cases": ["1 2\n", "5 5\n"]}
+        job = {"mode": "grade", "programs": [program | {"timeout_s": 5}], "case_timeout_s": 2, "case_output_bytes": 99}
+        cases = sb.parse_program_results(remote.run_job(job, "", sb.Limits()))[0]
         assert [c["stdout"] for c in cases] == ["3\n", "10\n"]
         _StubSandboxFusion.mode = "timeout"
         assert remote.run_job({"mode": "run", "source": "pass"}, "", sb.Limits()).status == "timeout"
@@ -305,3 +305,36 @@ def test_real_public_problems_grade_correctly():
     wrong_grades = [(r["id"], o.correct) for r, o in zip(rows * 2, outputs)]
     assert all(o.correct for o in outputs[: len(rows)]), wrong_grades[: len(rows)]
     assert not any(o.correct for o in outputs[len(rows) :]), wrong_grades[len(rows) :]
+
+
+@needs_bwrap
+def test_a_hostile_program_cannot_cost_its_neighbours_their_reward():
+    """Programs share a sandbox run one after another: one that kills the harness, or leaves a daemon that kills
+    everything later, or spins past its deadline, fails alone; the correct programs around it still pass."""
+    io = "```python\na, b = map(int, input().split())\nprint(a + b)\n```"
+    hostile = [
+        "```python\nimport os\nos.kill(os.getppid(), 9)\n```",
+        "```python\nimport os, time\nif os.fork() == 0:\n    os.setsid()\n    time.sleep(0.3)\n    os.kill(-1, 9)\n"
+        "print(3)\n```",
+        "```python\nimport os\nopen('/tmp/x', 'w').write('1 2')\nos.chmod('/tmp', 0o500)\nprint(3)\n```",
+        "```python\nwhile True:\n    try:\n        while True:\n            pass\n"
+        "    except BaseException:\n        pass\n```",
+    ]
+    completions = [c for h in hostile for c in (io, h)] + [io]
+    outputs = compute_rewards("code", completions, [STDIO] * len(completions))
+    assert [o.correct for o in outputs] == [True, False] * len(hostile) + [True]
+
+
+@needs_bwrap
+def test_shared_runs_grade_as_one_run_per_program(monkeypatch):
+    """The shared-run path (up to 16 programs a run) gives the same per-case statuses as one run per program."""
+    from common import code_reward
+
+    rows = [json.loads(line) for line in (ROOT / "tests/fixtures/code/public_problems.jsonl").read_text().splitlines()]
+    fence = "```python\n{}\n```".format
+    completions = [fence(r["solution"]) for r in rows] + [fence(r["wrong"]) for r in rows]
+    golds = [r["answer"] for r in rows] * 2
+    shared = [g.statuses for g in code_reward.grade_code_batch(completions, golds)]
+    monkeypatch.setattr(code_reward, "MAX_PROGRAMS_PER_RUN", 1)
+    alone = [g.statuses for g in code_reward.grade_code_batch(completions, golds)]
+    assert shared == alone
