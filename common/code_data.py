@@ -15,7 +15,8 @@ checker (APPS ``testing_util.py``) accepts as ``output == expected or output == 
 
 Mappers follow ``common/hub_data.py``: a malformed row raises ``RowError`` naming the field, and
 ``map_code_rows`` adds the dataset name and row index. ``CODE_HUB_SOURCES`` lists the code-only hub sets;
-``common.hub_data.EURUS2_CODE_SOURCES`` holds PRIME's ``eurus2-rl`` code and mixed sets.
+``EURUS2_CODE_SOURCES`` holds PRIME's ``eurus2-rl`` code and mixed sets (``eurus2_rl_row`` with this module's
+code mapper).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import os
 import pickle
 import zlib
 
-from common.hub_data import EURUS2_CODE_SOURCES, HubSource, HubUnavailableError, RowError, _get, _text, _user_content
+from common.hub_data import HubSource, HubUnavailableError, RowError, _get, _text, _user_content, eurus2_rl_row
 from common.tasks import Problem
 
 # ----------------------------------------------------------------------------------------------
@@ -521,6 +522,19 @@ LCB_RELEASE_FILES: dict[str, tuple[str, ...]] = {
     **{f"release_v{n}": _LCB_FILES[:n] for n in range(1, 7)},
     "release_latest": _LCB_FILES,
     **{f"v{n}": (_LCB_FILES[n - 1],) for n in range(1, 7)},
+}
+
+
+# PRIME's own mixture: code-only and math+code views of ``eurus2-rl``, its math rows mapped as ``eurus2-rl`` maps them
+EURUS2_CODE_SOURCES: dict[str, HubSource] = {
+    f"eurus2-rl-{mode}": HubSource(
+        "PRIME-RL/Eurus-2-RL-Data",
+        None,
+        {"train": "train", "validation": "validation"},
+        functools.partial(eurus2_rl_row, mode=mode, code_row=eurus2_code_row),
+        ("prompt", "ability", "reward_model"),
+    )
+    for mode in ("code", "mix")
 }
 
 

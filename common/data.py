@@ -44,8 +44,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from common.code_data import CODE_HUB_SOURCES, jsonl_code_row, load_code_hub
-from common.hub_data import EURUS2_CODE_SOURCES, HUB_SOURCES, load_hub
+from common.code_data import CODE_HUB_SOURCES, EURUS2_CODE_SOURCES, jsonl_code_row, load_code_hub
+from common.hub_data import HUB_SOURCES, load_hub
 from common.tasks import ARITH_SPECS, CODE_SPECS, Problem, load_arith, load_code
 
 REPO_ROOT = Path(__file__).resolve().parent.parent

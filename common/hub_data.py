@@ -174,12 +174,12 @@ def openr1_luffy_row(row: dict) -> Problem:
 EURUS2_MODES = ("math", "code", "mix")
 
 
-def eurus2_rl_row(row: dict, mode: str = "math") -> Problem | None:
+def eurus2_rl_row(row: dict, mode: str = "math", code_row: Callable[[dict], Problem] | None = None) -> Problem | None:
     """PRIME-RL/Eurus-2-RL-Data: verl format, ``ability`` "math" or "code"; ``mode`` picks the rows kept.
 
     ``"math"`` (the ``eurus2-rl`` set) keeps math rows, mapped as always (no ``verifier`` key: the dataset's reward
-    scores them); ``"code"`` keeps code rows (``common.code_data.eurus2_code_row``, verifier "code"); ``"mix"``
-    keeps both, each naming its verifier ("math" or "code"). Rows of other abilities give None.
+    scores them); ``"code"`` keeps code rows, mapped by ``code_row`` (``common.code_data.eurus2_code_row``, verifier
+    "code"); ``"mix"`` keeps both, each naming its verifier ("math" or "code"). Rows of other abilities give None.
     Math: prompt = the user message (PRIME's action-tag system prompt is dropped), answer = reward_model.ground_truth.
     """
     if mode not in EURUS2_MODES:
@@ -193,9 +193,9 @@ def eurus2_rl_row(row: dict, mode: str = "math") -> Problem | None:
         }
         return problem if mode == "math" else {**problem, "verifier": "math"}
     if ability == "code" and mode != "math":
-        from common.code_data import eurus2_code_row
-
-        return eurus2_code_row(row)
+        if code_row is None:
+            raise ValueError("eurus2-rl code rows need a code_row mapper (common.code_data.eurus2_code_row)")
+        return code_row(row)
     return None
 
 
@@ -246,21 +246,6 @@ HUB_SOURCES: dict[str, HubSource] = {
         eurus2_rl_row,
         ("prompt", "ability", "reward_model"),
     ),
-}
-
-
-# PRIME's own mixture: code-only and math+code views of ``eurus2-rl``. Kept out of HUB_SOURCES, whose entries
-# common/data.py registers with the math reward and a math template (tests/test_data.py holds that list); they load
-# through common.code_data.load_code_hub / map_code_rows until the registry learns per-row verifiers.
-EURUS2_CODE_SOURCES: dict[str, HubSource] = {
-    f"eurus2-rl-{mode}": HubSource(
-        "PRIME-RL/Eurus-2-RL-Data",
-        None,
-        {"train": "train", "validation": "validation"},
-        functools.partial(eurus2_rl_row, mode=mode),
-        ("prompt", "ability", "reward_model"),
-    )
-    for mode in ("code", "mix")
 }
 
 

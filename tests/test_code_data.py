@@ -18,6 +18,7 @@ from common.code_data import (
     CODE_FORMAT_WITH_STARTER,
     CODE_HUB_SOURCES,
     CODE_INSTRUCTION,
+    EURUS2_CODE_SOURCES,
     LCB_RELEASE_FILES,
     decode_lcb_private,
     deepcoder_row,
@@ -29,7 +30,7 @@ from common.code_data import (
     mbpp_row,
     validate_tests,
 )
-from common.hub_data import EURUS2_CODE_SOURCES, HUB_SOURCES, RowError, eurus2_rl_row, map_hub_rows
+from common.hub_data import HUB_SOURCES, RowError, eurus2_rl_row, map_hub_rows
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures" / "code"
 
