@@ -32,7 +32,16 @@ import os
 import pickle
 import zlib
 
-from common.hub_data import HubSource, HubUnavailableError, RowError, _get, _text, _user_content, eurus2_rl_row
+from common.hub_data import (
+    HubSource,
+    HubUnavailableError,
+    RowError,
+    _get,
+    _text,
+    _user_content,
+    eurus2_rl_row,
+    map_rows,
+)
 from common.tasks import Problem
 
 # ----------------------------------------------------------------------------------------------
@@ -557,18 +566,7 @@ def map_code_rows(name: str, rows, label: str | None = None) -> list[Problem]:
     A malformed row raises ValueError naming the dataset, the hub id, the row index and the field.
     """
     source = _code_source(name)
-    label = label or name
-    problems = []
-    for i, row in enumerate(rows):
-        try:
-            if not isinstance(row, dict):
-                raise RowError("<row>", f"expected an object, got {type(row).__name__}")
-            problem = source.row_fn(row)
-        except RowError as e:
-            raise ValueError(f"dataset {label!r} ({source.path}), row {i}: {e}") from None
-        if problem is not None:
-            problems.append(problem)
-    return problems
+    return map_rows(source.path, source.row_fn, rows, label or name)
 
 
 def load_code_hub(name: str, split: str, label: str | None = None) -> list[Problem]:

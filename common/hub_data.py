@@ -257,7 +257,12 @@ def map_hub_rows(name: str, rows, levels: frozenset[int] | None = None, label: s
     """
     source = HUB_SOURCES[name]
     row_fn = functools.partial(source.row_fn, levels=levels) if levels is not None else source.row_fn
-    label = label or name
+    return map_rows(source.path, row_fn, rows, label or name)
+
+
+def map_rows(hub_id: str, row_fn: Callable[[dict], Problem | None], rows, label: str) -> list[Problem]:
+    """Every row through ``row_fn`` (None drops it); a malformed row raises ValueError naming the dataset
+    (``label``), the hub id, the row index and the field."""
     problems = []
     for i, row in enumerate(rows):
         try:
@@ -265,7 +270,7 @@ def map_hub_rows(name: str, rows, levels: frozenset[int] | None = None, label: s
                 raise RowError("<row>", f"expected an object, got {type(row).__name__}")
             problem = row_fn(row)
         except RowError as e:
-            raise ValueError(f"dataset {label!r} ({source.path}), row {i}: {e}") from None
+            raise ValueError(f"dataset {label!r} ({hub_id}), row {i}: {e}") from None
         if problem is not None:
             problems.append(problem)
     return problems
