@@ -38,6 +38,7 @@ import concurrent.futures
 import itertools
 import json
 import os
+import select
 import selectors
 import shutil
 import signal
@@ -48,6 +49,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -186,6 +188,20 @@ def bwrap_argv(rung: str, limits: Limits, job_fd: int | None, tag: str = "") -> 
 
 
 # ----------------------------------------------------------------------------------------------
+KILL_WAIT_S = 10.0  # how long a kill waits for the run's pid namespace to empty
+
+
+def _children(pid: int) -> list[int]:
+    """The direct children of ``pid`` (``/proc/<pid>/task/*/children``); empty once it has exited."""
+    found = []
+    try:
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            found += [int(p) for p in (task / "children").read_text().split()]
+    except OSError:
+        pass
+    return found
+
+
 # A pids cgroup per run, where one can be made
 # ----------------------------------------------------------------------------------------------
 _CGROUP_PARENTS = ("/sys/fs/cgroup/pids", "/sys/fs/cgroup")
@@ -462,12 +478,38 @@ class Sandbox:
 
     @staticmethod
     def _kill(proc: subprocess.Popen, cgroup: _Cgroup | None) -> None:
+        """Kill the run's process tree and return only once it is gone.
+
+        bwrap's child is the first process of the run's pid namespace. The kernel kills every other process of the
+        namespace when it exits, and waits for them before it reports that process as exited; a fork bomb's
+        thousands of processes take longer to die than the kill takes to send, so waiting on it (through a pidfd)
+        means no process of the run outlives this call and competes with the next one.
+        """
+        pidfds = []
+        for child in _children(proc.pid):
+            try:
+                pidfds.append(os.pidfd_open(child))
+            except OSError:  # already gone, or a kernel without pidfds (the wait below is then skipped)
+                pass
+        for fd in pidfds:
+            try:
+                signal.pidfd_send_signal(fd, signal.SIGKILL)
+            except OSError:
+                pass
         try:
-            os.killpg(proc.pid, signal.SIGKILL)  # bwrap; its pid namespace dies with its first process
+            os.killpg(proc.pid, signal.SIGKILL)  # bwrap and, without a pid namespace, the run's process group
         except OSError:
             pass
         if cgroup is not None:
             cgroup.kill()
+        deadline = time.monotonic() + KILL_WAIT_S
+        for fd in pidfds:
+            try:
+                ready = select.select([fd], [], [], max(0.0, deadline - time.monotonic()))[0]
+                if not ready:
+                    warnings.warn(f"sandbox: a run's processes were still exiting {KILL_WAIT_S:.0f} s after the kill")
+            finally:
+                os.close(fd)
 
     def _run_remote(self, job: dict, stdin: str, limits: Limits) -> SandboxResult:
         """One POST to SandboxFusion's /run_code; the harness goes with the job embedded, the stdin as ``stdin``."""
