@@ -85,7 +85,8 @@ def test_which_models_each_script_loads():
     assert memory.trained_models(prime) == (2, True)  # policy + PRM, and always the reference
     p = model_shape(MATH_15B).params
     parts = components(plan_memory(prime, MATH_15B, 1024, backend="vllm"))
-    assert parts["weights"] + parts["gradients"] + parts["AdamW moments"] == pytest.approx(32 * p / GB)
+    # two models' weights and moments (24P), one model's gradients at a time (4P: each is freed after its step)
+    assert parts["weights"] + parts["gradients"] + parts["AdamW moments"] == pytest.approx(28 * p / GB)
     # bf16 weights: 2 + 2 + 4 bytes per parameter; DDP adds its gradient buckets and divides nothing
     bf16 = components(plan_memory(grpo_args("--dtype", "bfloat16"), MATH_15B, 1024, world=8, backend="vllm"))
     assert bf16["weights"] + bf16["gradients"] + bf16["AdamW moments"] == pytest.approx(8 * p / GB)
@@ -109,7 +110,8 @@ def test_lora_plans_a_frozen_base_fp32_adapters_and_no_reference():
     assert lora["frozen reference"] == 0 and full["frozen reference"] == pytest.approx(4 * p / GB)
     ppo = tyro.cli(load_algo("ppo").Args, args=["--learning-rate", "1e-6", "--lora.rank", "16"])
     parts = components(plan_memory(ppo, MATH_15B, 1024, backend="vllm"))  # the critic stays fully trained
-    assert parts["gradients"] == pytest.approx((4 * p + 4 * adapters) / GB)
+    assert parts["weights"] == pytest.approx((4 * p + 4 * adapters + 4 * (p + 1537)) / GB)  # its value head: h + 1
+    assert parts["gradients"] == pytest.approx(4 * (p + 1537) / GB)  # the critic's, freed before the adapters
     # the one-GPU 7B command of docs/gpu.md: full fine-tuning needs sharding, LoRA rank 16 fits on 80 GB
     seven = str(MODEL_CONFIGS / "qwen2.5-math-7b")
     flags = ("--rollout.enable-sleep-mode", "--gradient-checkpointing", "--max-new-tokens", "3000")
@@ -446,3 +448,123 @@ def test_the_update_peaks_at_adamw_step_when_activations_are_small():
     )
     assert components(lora)["bf16 autocast weight copies"] == pytest.approx(2 * p / 28 / GB)
     assert lora.update_peak < plan.update_peak - 18 * p
+
+
+# ppo.py and prime.py train two models and step each one, freeing its gradients (zero_grad(set_to_none=True)), before
+# the next one's update: the critic's or PRM's first, then the policy's. Their weights and AdamW moments stay; their
+# gradients, AdamW's step temporary and autocast's casts never coexist. Qwen2.5-Math-1.5B by hand: P = 1,543,714,304,
+# tied, so ppo's critic (a token classifier) keeps the embedding and adds a 1536 -> 1 value head with a bias.
+P_15B = 1_543_714_304
+CRITIC_15B = P_15B + 1536 + 1
+ONE_SMALL_ROW = ("--micro-batch-size", "1", "--max-new-tokens", "256", "--gradient-checkpointing")
+
+
+def script_args(script, *flags):
+    return tyro.cli(load_algo(script).Args, args=["--learning-rate", "1e-6", *flags])
+
+
+def test_ppo_and_prime_hold_one_models_gradients_at_a_time():
+    """One row of 768 tokens with checkpointing, vLLM awake (28 GB) and 1 GB of CUDA context: the peak is an AdamW
+    step, as for grpo above. ppo: both models' fp32 weights and moments (12P + 12Pc) and the larger model's gradients
+    with foreach's temporary (8Pc): 78.4 GB, which fits 80 GB; summing both models' gradients and temporaries (40P)
+    said 90.7 GB, and a GPU run stopped before loading. prime: the policy and the PRM (24P), the reference (4P) and
+    one model's gradients and temporary (8P): 84.6 GB, not 96.9 GB (44P)."""
+    p, pc = P_15B, CRITIC_15B
+    ppo = plan_memory(script_args("ppo", *ONE_SMALL_ROW), MATH_15B, 768, card_gb=80.0, backend="vllm")
+    parts = components(ppo)
+    assert parts["weights"] == pytest.approx((4 * p + 4 * pc) / GB)
+    assert parts["gradients"] == parts["AdamW step temporary"] == pytest.approx(4 * pc / GB)
+    assert parts["AdamW moments"] == pytest.approx(8 * (p + pc) / GB)
+    assert parts["bf16 autocast weight copies"] == pytest.approx(2 * pc / GB)  # one model's casts, not 4P
+    assert ppo.update_peak == pytest.approx(12 * (p + pc) + 8 * pc + 28e9 + 1e9)
+    assert ppo.update_peak / GB == pytest.approx(78.40, abs=0.01) and ppo.fits
+    live = dataclasses.replace(script_args("ppo", *ONE_SMALL_ROW), model=MATH_15B)
+    memory.check_memory_plan(live, MATH_15B, 768, world=1, on_gpu=True)  # no SystemExit: the run fits
+    prime = plan_memory(script_args("prime", *ONE_SMALL_ROW), MATH_15B, 768, card_gb=80.0, backend="vllm")
+    parts = components(prime)
+    assert parts["weights"] + parts["gradients"] + parts["AdamW moments"] == pytest.approx(28 * p / GB)
+    assert prime.update_peak == pytest.approx(24 * p + 4 * p + 8 * p + 28e9 + 1e9)
+    assert prime.update_peak / GB == pytest.approx(84.57, abs=0.01)
+
+
+def test_the_critic_is_a_token_classifier_without_an_lm_head():
+    """ppo.py's critic is AutoModelForTokenClassification with one label: Qwen2.5-7B (untied) drops its 152064 x 3584
+    LM head and gains a 3584 -> 1 value head with a bias, 0.545B parameters fewer than the policy. `ppo.py --dry-run
+    --model Qwen/Qwen2.5-7B` printed 60.9 GB of gradients (8P); the larger model's, the policy's, are 4P = 30.5 GB."""
+    p = 7_615_616_512
+    pc = p - 152064 * 3584 + 3584 + 1
+    assert pc == 7_070_622_721
+    plan = plan_memory(script_args("ppo"), SEVEN_B, 552, card_gb=80.0, backend="vllm")
+    parts = components(plan)
+    assert parts["weights"] == pytest.approx(4 * (p + pc) / GB)
+    assert parts["gradients"] == pytest.approx(4 * p / GB) and f"{parts['gradients']:.1f}" == "30.5"
+    assert parts["AdamW moments"] == pytest.approx(8 * (p + pc) / GB)
+
+
+def test_a_lora_policys_critic_holds_the_larger_gradients():
+    """LoRA rank 16 on the policy (Qwen2.5-Math-1.5B, adapters by hand as above): the critic stays fully trained, so
+    its update, with its gradients and AdamW's temporary (8Pc), is the peak: the frozen base (4P), both models'
+    weights and moments (3 x (4 adapters + 4Pc)), vLLM and the context."""
+    h, kv, i, layers = 1536, 256, 8960, 28
+    adapters = 16 * layers * ((h + h) + 2 * (h + kv) + (h + h) + 2 * (h + i) + (i + h))
+    p, pc = P_15B, CRITIC_15B
+    plan = plan_memory(script_args("ppo", "--lora.rank", "16", *ONE_SMALL_ROW), MATH_15B, 768, 1, 80.0, "vllm")
+    parts = components(plan)
+    assert parts["weights"] == pytest.approx((4 * p + 4 * adapters + 4 * pc) / GB)
+    assert parts["gradients"] == pytest.approx(4 * pc / GB)
+    assert plan.update_peak == pytest.approx(3 * (4 * adapters + 4 * pc) + 4 * p + 8 * pc + 28e9 + 1e9)
+
+
+def critic_saved_bytes(config, seq: int, checkpointing: bool, bf16: bool, packed: bool) -> int:
+    """What ppo.py's ``critic_values`` saves for backward on the activation benchmark's batch, counted as the
+    benchmark counts the log-prob path's: storages once, parameters and autocast's weight casts apart, a checkpointed
+    layer's input and mask by a pre-hook, the final norm's output by a hook."""
+    import torch
+    from transformers import AutoModelForTokenClassification
+
+    bench = load_activation_benchmark()
+    model, _ = bench.small_model(*config)
+    model.config.num_labels = 1
+    critic = AutoModelForTokenClassification.from_config(model.config, attn_implementation="sdpa").train()
+    if checkpointing:
+        critic.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    params = {p.untyped_storage().data_ptr() for p in critic.parameters()}
+    saved: dict[int, int] = {}
+
+    def record(tensor):
+        if tensor.untyped_storage().data_ptr() not in params:
+            saved[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+
+    def pack(tensor):
+        if not (tensor.dtype == torch.bfloat16 and type(tensor.grad_fn).__name__ == "TBackward0"):
+            record(tensor)
+        return tensor
+
+    def layer_inputs(module, args, kwargs):
+        record(args[0] if args else kwargs["hidden_states"])
+        if checkpointing and isinstance(kwargs.get("attention_mask"), torch.Tensor):
+            record(kwargs["attention_mask"])
+
+    hooks = [layer.register_forward_pre_hook(layer_inputs, with_kwargs=True) for layer in critic.model.layers]
+    hooks.append(critic.model.norm.register_forward_hook(lambda m, args, out: record(out)))
+    input_ids, attention_mask, width = bench.batch(model.config.vocab_size, 2, seq)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            load_algo("ppo").critic_values(critic, input_ids, attention_mask, width, packed)
+    for hook in hooks:
+        hook.remove()
+    return sum(saved.values())
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+@pytest.mark.parametrize("config, seq, checkpointing, bf16", [HELD_OUT[k] for k in (1, 2, 4, 7)])
+def test_critic_activation_formula_matches_the_bytes_autograd_saves(config, seq, checkpointing, bf16, packed):
+    """The critic's layers save what the policy's do; its value head keeps its input at every position where the
+    log-prob head gathers completion tokens only (``memory_phases.value_head_bytes``)."""
+    measured = critic_saved_bytes(config, seq, checkpointing, bf16, packed)
+    _, shape = load_activation_benchmark().small_model(*config)
+    completion = 2 * (seq - seq // 4)
+    attended = 2 * seq - (seq // 4) // 2
+    tokens, mask_len = (attended, attended) if packed else (2 * seq, seq)
+    formula = memory.saved_bytes(shape, tokens, mask_len, completion, bf16, checkpointing, value_head=True)
+    assert formula == pytest.approx(measured, rel=0.10)
