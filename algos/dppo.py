@@ -295,9 +295,9 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> float:
 
 def main() -> None:
     args = tyro.cli(Args)
-    run = start_run(args)  # flags checked, processes started, precision chosen, run folder claimed, seeded
     # ALGO LOGIC: the loss's ratio is π_θ/μ already (μ = the sampler's log-probs): no correction weight on top
     own = "its ratio and trust region are anchored to the sampler's log-probs μ"
+    run = start_run(args, own_correction=own)  # flags checked (LoRA dropout against its own weight), processes started
     args.correction = resolve_correction(args.correction, args.rollout, own_correction=own)  # 'auto' -> none
     accelerator, device, autocast = run.accelerator, run.device, run.autocast
     compute_advantages(torch.zeros(2 * args.group_size), args.group_size)  # fail fast on a group size it rejects
@@ -314,10 +314,11 @@ def main() -> None:
         raw_model.parameters(), lr=args.learning_rate, betas=(0.9, args.adam_beta2), weight_decay=args.weight_decay
     )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(1, args.warmup_steps)))
-    # model: the DDP-wrapped policy for forward/backward (raw_model itself on one process or under --fsdp);
-    # not the scheduler, which accelerate would step once per process
+    # model: the DDP-wrapped policy (raw_model itself on one process or under --fsdp); the scheduler stays unprepared
     model, optimizer = run.prepare(raw_model, optimizer)
-    engine = make_engine(args.rollout, raw_model, tokenizer, run.model_path, args.seed + run.rank, run.max_model_len)
+    engine = make_engine(
+        args.rollout, raw_model, tokenizer, run.model_path, args.seed + run.rank, run.max_model_len, run.autocast
+    )
     books = Bookkeeper(
         run, args, tokenizer, task, engine, {"model": raw_model, "optimizer": optimizer, "scheduler": scheduler}
     )

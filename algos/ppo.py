@@ -27,7 +27,7 @@ CPU, offline (the defaults: the shipped tiny model on the synthetic `arith` task
 GPU, sharded over two nodes of 8 (ORZ §3.1: actor lr 1e-6, critic lr 5e-6, 128 prompts x 64 samples, 1 policy step
 and 12 critic steps per rollout, AdamW β2 0.95, 50 warm-up steps; ORZ generates up to 8000 tokens; packed,
 checkpointed, vLLM asleep during the update; the second node runs the same command with --machine_rank 1):
-    # planner: fits on 80 GB: 67.7 GB per GPU
+    # planner: fits on 80 GB: 52.1 GB per GPU
     accelerate launch --config_file scripts/accelerate/multi_node.yaml --machine_rank 0 algos/ppo.py --fsdp \
         --model Qwen/Qwen2.5-7B --dataset math --template r1-zero --rollout.backend vllm --rollout.enable-sleep-mode \
         --learning-rate 1e-6 --critic-learning-rate 5e-6 --adam-beta2 0.95 --warmup-steps 50 --max-new-tokens 8000 \
@@ -333,11 +333,9 @@ def main() -> None:
         raw_model.parameters(), lr=args.learning_rate, betas=(0.9, args.adam_beta2), weight_decay=args.weight_decay
     )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(1, args.warmup_steps)))
-    # model: the DDP-wrapped policy for forward/backward (raw_model itself on one process or under --fsdp);
-    # not the scheduler, which accelerate would step once per process
+    # model: the DDP-wrapped policy (raw_model itself on one process or under --fsdp); the scheduler stays unprepared
     model, optimizer = run.prepare(raw_model, optimizer)
-    # ALGO LOGIC: the critic, a separate copy of the base model with a scalar head (zero-initialised: V = 0 at the
-    # start), its own optimiser, and the same warm-up counted in rollout steps
+    # ALGO LOGIC: the critic: the base model with a zeroed scalar head (V = 0 at first), own optimiser and warm-up
     critic_config = AutoConfig.from_pretrained(run.model_path, num_labels=1)
     critic_config.classifier_dropout = 0.0  # the token-classification head would otherwise apply dropout 0.1
     raw_critic = load_model(
@@ -358,7 +356,9 @@ def main() -> None:
         critic_optimizer, lambda s: min(1.0, (s + 1) / max(1, args.warmup_steps * args.critic_num_minibatches))
     )
     critic, critic_optimizer = run.prepare(raw_critic, critic_optimizer)  # the scheduler unprepared
-    engine = make_engine(args.rollout, raw_model, tokenizer, run.model_path, args.seed + run.rank, run.max_model_len)
+    engine = make_engine(
+        args.rollout, raw_model, tokenizer, run.model_path, args.seed + run.rank, run.max_model_len, run.autocast
+    )
     books = Bookkeeper(
         run,
         args,

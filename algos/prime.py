@@ -30,7 +30,7 @@ CPU, offline (the defaults: the shipped tiny model on the synthetic `arith` task
 GPU, sharded over two nodes of 8 (PRIME's run script: policy lr 5e-7, PRM lr 1e-6, 256 prompts x 4, 3072 tokens,
 4 policy/PRM steps per batch; packed, checkpointed, vLLM asleep during the update; one colocated engine per rank;
 the second node runs the same command with --machine_rank 1):
-    # planner: fits on 80 GB: 65.7 GB per GPU
+    # planner: fits on 80 GB: 50.5 GB per GPU
     accelerate launch --config_file scripts/accelerate/multi_node.yaml --machine_rank 0 algos/prime.py --fsdp \
         --model PRIME-RL/Eurus-2-7B-SFT --dataset eurus2-rl --template qwen-math --track --rollout.backend vllm \
         --rollout.enable-sleep-mode --learning-rate 5e-7 --prm-learning-rate 1e-6 --warmup-steps 0 --group-size 4 \
@@ -345,10 +345,11 @@ def main() -> None:
         raw_model.parameters(), lr=args.learning_rate, betas=(0.9, args.adam_beta2), weight_decay=args.weight_decay
     )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(1, args.warmup_steps)))
-    # model: the DDP-wrapped policy for forward/backward (raw_model itself on one process or under --fsdp);
-    # not the scheduler, which accelerate would step once per process
+    # model: the DDP-wrapped policy (raw_model itself on one process or under --fsdp); the scheduler stays unprepared
     model, optimizer = run.prepare(raw_model, optimizer)
-    engine = make_engine(args.rollout, raw_model, tokenizer, run.model_path, args.seed + run.rank, run.max_model_len)
+    engine = make_engine(
+        args.rollout, raw_model, tokenizer, run.model_path, args.seed + run.rank, run.max_model_len, run.autocast
+    )
     books = Bookkeeper(
         run,
         args,

@@ -290,9 +290,9 @@ def main() -> None:
     args = tyro.cli(Args)
     if args.rollout.fp32_lm_head == "auto":  # ALGO LOGIC: ScaleRL's fp32 LM head, in the trainer and in vLLM
         args.rollout.fp32_lm_head = "on"
-    run = start_run(args)  # flags checked, processes started, precision chosen, run folder claimed, seeded
     # ALGO LOGIC: the loss's IS weight is min(π_θ/μ, ε_max) already (μ = the engine's log-probs): no weight on top
     own = "its capped IS weight min(π_θ/μ, ε_max) is taken against the sampler's log-probs μ"
+    run = start_run(args, own_correction=own)  # flags checked (LoRA dropout against its own weight), processes started
     args.correction = resolve_correction(args.correction, args.rollout, own_correction=own)  # 'auto' -> none
     accelerator, device, autocast = run.accelerator, run.device, run.autocast
     compute_advantages(torch.zeros(2 * args.group_size), args.group_size)  # fail fast on a group size it rejects
@@ -307,10 +307,11 @@ def main() -> None:
         raw_model.parameters(), lr=args.learning_rate, betas=(0.9, args.adam_beta2), weight_decay=args.weight_decay
     )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / max(1, args.warmup_steps)))
-    # model: the DDP-wrapped policy for forward/backward (raw_model itself on one process or under --fsdp);
-    # not the scheduler, which accelerate would step once per process
+    # model: the DDP-wrapped policy (raw_model itself on one process or under --fsdp); the scheduler stays unprepared
     model, optimizer = run.prepare(raw_model, optimizer)
-    engine = make_engine(args.rollout, raw_model, tokenizer, run.model_path, args.seed + run.rank, run.max_model_len)
+    engine = make_engine(
+        args.rollout, raw_model, tokenizer, run.model_path, args.seed + run.rank, run.max_model_len, run.autocast
+    )
     pool = PromptPool(args.retire_pass_rate)
     state = {"model": raw_model, "optimizer": optimizer, "scheduler": scheduler, "pool": pool}
     books = Bookkeeper(run, args, tokenizer, task, engine, state)
@@ -351,7 +352,7 @@ def main() -> None:
         keep = ~zero_variance_groups(rewards, args.group_size)
         all_reduce = lambda t: accelerator.reduce(t, "sum")  # noqa: E731 - the std over every process's batch
         advantages = compute_advantages(rewards.to(device), args.group_size, all_reduce=all_reduce)
-        solved = [books.prompt_indices, correct.view(-1, args.group_size).sum(-1).int().tolist()]
+        solved = [rollouts.prompt_indices, correct.view(-1, args.group_size).sum(-1).int().tolist()]
         for indices, counts in accelerator.gather_for_metrics([solved], use_gather_object=True):  # every process's
             pool.record(indices, counts, args.group_size)
 

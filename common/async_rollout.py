@@ -68,14 +68,16 @@ class LaggedRollouts:
             raise SystemExit(f"--max-lag must be >= 1 (1 = synchronous), got {max_lag}")
         self.books, self.engine, self.sample, self.max_lag = books, engine, sample, max_lag
         # servers sample on a background thread (one batch at a time, in step order); other engines generate in place
-        self.overlap = hasattr(engine, "sample_local")
+        self.overlap = engine.overlaps
         self.worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollouts") if self.overlap else None
         self.queue: list[Batch] = []  # requested, not yet taken, in step order
         self.next_step = 0  # the next batch to request
         self.version = 0  # the version the engine serves now: the step whose top it is
         self.stats: dict[str, float] = {}
         self.train_start = 0.0  # when take() returned: the trainer works until update_weights
-        books.state["rollouts"] = self  # checkpointed with the run
+        self.prompt_indices: list[int] = []  # training-set indices of the prompts of the batch take() returned
+        self.resume_cursor: int | None = None  # a restored checkpoint's rewound data cursor (see load_state_dict)
+        books.register("rollouts", self)  # checkpointed with the run
 
     def request(
         self,
@@ -135,7 +137,7 @@ class LaggedRollouts:
             raise RuntimeError(f"rollout schedule out of order: batch {batch.step} at step {step}")
         completions = self.collect(batch.request)
         self.queue.pop(0)
-        self.books.prompt_indices = batch.indices  # the prompts this step trains on
+        self.prompt_indices = batch.indices  # the prompts this step trains on
         self.stats = self.lag_stats(step, completions)
         self.stats["time/rollout_wait_s"] = time.time() - t0  # the trainer idle, waiting for this batch (all if sync)
         self.train_start, self.taken = time.time(), batch.request
@@ -204,7 +206,8 @@ class LaggedRollouts:
         return {"batches": batches, "cursor": cursor}
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore the batches sampled ahead (this process's share); a rewound ``cursor`` replaces the saved one."""
+        """Restore the batches sampled ahead (this process's share). A rewound ``cursor`` becomes ``resume_cursor``,
+        which the ``Bookkeeper`` takes as its data cursor."""
         run = self.books.run
         self.queue = []
         for saved in state["batches"]:
@@ -217,8 +220,7 @@ class LaggedRollouts:
             req = Request(version=saved["version"], completions=completions)
             self.queue.append(Batch(saved["step"], -1, problems, prompt_ids, indices, req))
         self.next_step = self.queue[-1].step + 1 if self.queue else 0  # take() requests from here on
-        if state["cursor"] is not None:
-            self.books.cursor = state["cursor"]
+        self.resume_cursor = state["cursor"]
 
     def sleep(self) -> None:
         self.engine.sleep()

@@ -128,6 +128,11 @@ class Bookkeeper:
         self.prompt_indices: list[int] = []  # training-set indices of this process's prompts from next_prompts
         run.accelerator.print(describe_protocol(task.eval_cfg, task.eval_name, task.eval_template, EVAL_SEED))
 
+    def register(self, name: str, obj) -> None:
+        """Checkpoint ``obj`` (``state_dict``/``load_state_dict``) with the run as ``name``; one whose
+        ``resume_cursor`` is set after a restore rewinds the data cursor to it."""
+        self.state[name] = obj
+
     def steps(self):
         """Resume from the latest checkpoint (with ``--resume``), evaluate the starting policy, then yield steps."""
         run, args = self.run, self.args
@@ -135,6 +140,9 @@ class Bookkeeper:
             saved = load_checkpoint(ckpt)
             self.start_step, self.cursor, self.train_time = saved["step"], saved["cursor"], saved["train_time"]
             restore_state(self.state, saved)  # full state dicts: each process keeps its shards (or replica)
+            for obj in self.state.values():  # LaggedRollouts: batches whose sampling failed give their prompts back
+                if getattr(obj, "resume_cursor", None) is not None:
+                    self.cursor = obj.resume_cursor
             if not isinstance(saved["rng"], list):
                 set_rng_state(saved["rng"])
             elif len(saved["rng"]) == run.world:
@@ -166,8 +174,7 @@ class Bookkeeper:
             desc=args.exp_name,
             disable=not run.is_main,
         )
-        if hasattr(self.engine, "on_fault"):  # a rollout server that fails mid-run: checkpoint, then exit
-            self.engine.on_fault = self.checkpoint_on_fault
+        self.engine.on_fault = self.checkpoint_on_fault  # a rollout server that fails mid-run: checkpoint, then exit
         for step in self.progress:
             self.step = step
             self.step_start = (self.cursor, rng_state())  # what a fault before this step's update gives back
@@ -207,11 +214,11 @@ class Bookkeeper:
             wanted = args.prompts_per_step - len(indices)
             indices += [i for i in prompt_batch(num_items, self.cursor, wanted, args.seed) if i not in exclude]
             self.cursor += wanted
-        return self.prompts_at(indices[run.rank * run.local_prompts : (run.rank + 1) * run.local_prompts])
+        self.prompt_indices = indices[run.rank * run.local_prompts : (run.rank + 1) * run.local_prompts]
+        return self.prompts_at(self.prompt_indices)
 
     def prompts_at(self, indices: list[int]) -> tuple[list[dict], list[list[int]]]:
-        """The problems and encoded prompts at these training-set indices, which become ``prompt_indices``."""
-        self.prompt_indices = list(indices)
+        """The problems and encoded prompts at these training-set indices."""
         problems = [self.task.train_problems[i] for i in indices]
         return problems, encode_prompts(self.tokenizer, problems, self.task.template, self.run.max_prompt_tokens)
 

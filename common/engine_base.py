@@ -8,11 +8,13 @@ import from here, and this module imports neither, so the imports among common m
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Literal, Protocol, TypeVar
 
 import torch
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -24,7 +26,11 @@ class RolloutConfig:
     server_urls: str = ""
     """vllm-server: comma-separated base URLs of running vLLM servers (scripts/serve_rollout.py prints one)"""
     server_timeout_s: float = 600.0
-    """vllm-server: a request unanswered this long stops the run (after checkpointing the last completed step)"""
+    """vllm-server: a server that sends nothing this long stops the run (after checkpointing the last completed step)"""
+    server_retries: int = 3
+    """vllm-server: retries of a generation request that fails transiently (reset, cut stream, 5xx), same seeds"""
+    trainer_address: str = ""
+    """vllm-server over NCCL: this trainer's address the servers can reach ('' = $MASTER_ADDR, else 127.0.0.1)"""
     hf_max_batch: int = 512
     """HF engine: most sequences decoded at once (lower it to save memory; a prompt's group always goes together)"""
     server_tensor_parallel: int = 1
@@ -57,7 +63,22 @@ class Completion:
 
 
 class Engine(Protocol):
-    """What every rollout engine provides."""
+    """What every rollout engine provides: all that ``LaggedRollouts`` (``common/async_rollout.py``), the
+    ``Bookkeeper`` and the scripts use. ``InProcessEngine`` below gives the members an engine that generates in the
+    trainer's process (HF, colocated vLLM) has no use for; the server engine implements them all."""
+
+    overlaps: bool
+    """True: generation runs off the trainer's process (rollout servers), so ``sample_local`` may run on a background
+    thread while the trainer trains; False: it runs in place, on the trainer's device and weights, when asked."""
+    on_fault: Callable[[bool], None] | None
+    """Set by the ``Bookkeeper``: checkpoints the last completed step before a failure stops the run (its argument:
+    whether this step's update is done). Engines whose failures are plain exceptions never call it."""
+
+    @property
+    def version(self) -> int | str | None:
+        """The weights the engine serves now, passed back to ``sample_local`` so that a request sampled from an
+        outgoing version is refused (servers); None where generation always uses the trainer's current weights."""
+        ...
 
     def generate(
         self,
@@ -68,13 +89,58 @@ class Engine(Protocol):
         top_p: float,
         seed: int | list[int],
         stop: Sequence[str] = (),
-    ) -> list[Completion]: ...
+    ) -> list[Completion]:
+        """``n`` completions per prompt, grouped by prompt (``temperature == 0``: greedy); one seed per prompt (or a
+        call seed they derive from). A collective where the engine has one: every rank calls it."""
+        ...
 
-    def update_weights(self, model: torch.nn.Module) -> None: ...
+    def sample_local(
+        self,
+        prompt_ids: list[list[int]],
+        n: int,
+        max_new_tokens: int,
+        temperature: float,
+        top_p: float,
+        seed: int | list[int],
+        stop: Sequence[str] = (),
+        version: int | str | None = None,
+    ) -> list[Completion]:
+        """``generate`` on this process alone, with no collective, raising on a failure (``all_ranks`` then agrees
+        on it): what a background thread may call."""
+        ...
 
-    def sleep(self) -> None: ...
+    def all_ranks(self, fn: Callable[[], T], what: str, after_update: bool) -> T:
+        """``fn()``, with its failure on any rank agreed by every rank (``on_fault``, then the run stops)."""
+        ...
 
-    def wake(self) -> None: ...
+    def update_weights(self, model: torch.nn.Module) -> None:
+        """Serve ``model``'s current weights from now on (a collective where the engine has one)."""
+        ...
+
+    def sleep(self) -> None:
+        """Free what the engine holds on the trainer's device between rollouts (no-op where nothing is held)."""
+        ...
+
+    def wake(self) -> None:
+        """Bring back what ``sleep`` freed."""
+        ...
+
+
+class InProcessEngine:
+    """The ``Engine`` members of an engine that generates in the trainer's process, from the weights it was last
+    given: no background sampling, no weight versions to check, and failures that are ordinary exceptions."""
+
+    overlaps = False
+    on_fault: Callable[[bool], None] | None = None
+    version = None
+
+    def sample_local(self, prompt_ids, n, max_new_tokens, temperature, top_p, seed, stop=(), version=None):
+        """``generate``: in process, with no collective of its own (``version`` is never stale here)."""
+        return self.generate(prompt_ids, n, max_new_tokens, temperature, top_p, seed, stop)
+
+    def all_ranks(self, fn: Callable[[], T], what: str, after_update: bool) -> T:
+        """``fn()``: a failure raises on the rank where it happens."""
+        return fn()
 
 
 def prompt_seeds(seed: int | list[int], num_prompts: int) -> list[int]:

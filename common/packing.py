@@ -40,7 +40,11 @@ def attention_implementation(device_type: str, packed: bool, half_precision: boo
     """The trainer's attention kernel. CPU: eager (sdpa's bf16 backward is several times slower there). CUDA: sdpa,
     except packed micro-batches computed in bf16 (``half_precision``: autocast or bf16 weights; flash-attention
     rejects fp32) with the flash-attn package installed, which take flash-attention's varlen path (no N x N mask);
-    packed under sdpa or eager builds a dense block-diagonal N x N mask, which the planner counts."""
+    packed under sdpa or eager builds a dense block-diagonal N x N mask, which the planner counts.
+
+    The choice is the whole module's (``load_model``'s ``attn_implementation``), so the HF engine decodes on
+    flash-attention too: it runs its forwards under the trainer's autocast (``common.rollout.decode_autocast``, bf16
+    autocast on an fp32 flash-attention module when none is given), never in fp32, which flash-attn rejects."""
     if device_type != "cuda":
         return "eager"
     flash = packed and half_precision and importlib.util.find_spec("flash_attn") is not None

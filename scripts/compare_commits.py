@@ -9,12 +9,14 @@ script runs as a subprocess with the same flags on both sides: fixed threads (``
 ``--mixed-precision no``, seed 1, ``--total-steps`` steps. Runs on this CPU are deterministic, so every
 key of every ``metrics.jsonl`` row must be bit-identical; keys under ``time/`` and ``memory/`` (and the row's wall
 ``time``) are skipped. The exit code is the number of scripts that differ (0 = identical everywhere). Base runs
-are cached under ``runs/compare/<commit>/`` so repeated checks against the same base only rerun the work tree.
+are cached under ``runs/compare/<commit>-<steps>-<threads>-<flags>/`` so repeated checks against the same base with
+the same flags only rerun the work tree.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import shutil
@@ -84,7 +86,9 @@ def main() -> None:
 
     commit = subprocess.run(["git", "rev-parse", args.base], cwd=REPO, capture_output=True, text=True, check=True)
     commit = commit.stdout.strip()
-    cache = REPO / "runs" / "compare" / f"{commit[:12]}-{args.steps}steps-{args.threads}threads"
+    # the base runs are cached per commit, steps, threads and --extra flags (different flags: different runs)
+    flags = hashlib.sha256(" ".join(args.extra).encode()).hexdigest()[:8] if args.extra else "default"
+    cache = REPO / "runs" / "compare" / f"{commit[:12]}-{args.steps}steps-{args.threads}threads-{flags}"
     head_out = Path(tempfile.mkdtemp(prefix="compare-head-"))
     worktree = Path(tempfile.mkdtemp(prefix="compare-base-")) / "tree"
     subprocess.run(

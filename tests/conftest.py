@@ -98,7 +98,7 @@ def resolved_correction(module, monkeypatch, *flags):
         def __getattr__(self, name):
             raise _StopAtRun
 
-    def start_run(args):
+    def start_run(args, own_correction=""):
         seen["args"] = args
         return Run()
 

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from common.async_rollout import LaggedRollouts, Request
-from common.engine_base import Completion
+from common.engine_base import Completion, InProcessEngine
 
 
 class Books:
@@ -22,14 +22,17 @@ class Books:
     def next_prompts(self):
         indices = [self.cursor, self.cursor + 1]
         self.cursor += 2
+        self.prompt_indices = indices
         return self.prompts_at(indices)
 
+    def register(self, name, obj):
+        self.state[name] = obj
+
     def prompts_at(self, indices):
-        self.prompt_indices = list(indices)
         return [{"i": i} for i in indices], [[5, 100 + i] for i in indices]
 
 
-class Engine:
+class Engine(InProcessEngine):
     """Each sample is [weights pushed so far, last prompt id, sample index]: it names the weights that drew it."""
 
     def __init__(self):
@@ -106,8 +109,11 @@ def test_a_failed_request_is_dropped_with_the_later_ones_and_its_prompts_rewound
     saved = rollouts.state_dict()
     assert [b["step"] for b in saved["batches"]] == [1] and saved["cursor"] == 4
     fresh = Books()
-    LaggedRollouts(fresh, Engine(), None, 3).load_state_dict(saved)
-    assert fresh.cursor == 4  # batch 2's prompts are drawn again, then sampled by the resumed weights
+    restored = LaggedRollouts(fresh, Engine(), None, 3)
+    restored.load_state_dict(saved)
+    # batch 2's prompts are drawn again, then sampled by the resumed weights: the Bookkeeper takes the rewound
+    # cursor after the restore; the schedule never writes the Bookkeeper's own state
+    assert restored.resume_cursor == 4 and fresh.cursor == 0
 
 
 def test_max_lag_below_1_is_refused():

@@ -166,7 +166,9 @@ def test_every_logprob_call_follows_the_lm_head_flag(script):
     ]
     if "*logprob_args" in source:  # the shared positional arguments end with the head precision and token budget
         assert re.search(r"logprob_args = \([^)]*run\.fp32_head,\s*args\.micro_batch_tokens,?\s*\)", source)
-    assert "run = start_run(args)" in source  # start_run resolves --rollout.fp32-lm-head for the run's device
+    assert re.search(
+        r"run = start_run\(args[,)]", source
+    )  # start_run resolves --rollout.fp32-lm-head for the run's device
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
@@ -188,7 +190,7 @@ def test_plumbing_comes_from_common(script):
     """Set-up and bookkeeping are one-line calls into common/, so a plumbing change is made in one place."""
     source = (REPO / "algos" / f"{script}.py").read_text()
     for call in (
-        "start_run(args)",
+        "start_run(args",
         "load_task(args)",
         "Bookkeeper(",
         "books.steps()",

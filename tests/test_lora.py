@@ -9,12 +9,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import launch_script, train_rows, update_gap, weights
+from conftest import launch_script, load_algo, train_rows, update_gap, weights
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from common.logprobs import token_logprobs
-from common.lora import AdapterDisabled, LoraConfig, MergedView, apply_lora, check_lora
+from common.lora import AdapterDisabled, LoraConfig, apply_lora, check_lora
+from common.weight_export import export_weights
 
 REPO = Path(__file__).resolve().parent.parent
 TINY = REPO / "common" / "tiny_model"
@@ -70,7 +71,7 @@ def test_with_nonzero_b_the_adapters_are_live_and_the_merged_weights_reproduce_t
     assert torch.equal(logprobs(AdapterDisabled(policy)), base)  # the reference: the base, exactly
 
     merged = base_model()
-    names = dict(MergedView(policy).named_parameters())
+    names = dict(export_weights(policy))
     assert set(names) == {n for n, _ in merged.named_parameters()}  # the base model's own names, nothing else
     merged.load_state_dict(names, strict=False)
     merged.tie_weights()
@@ -99,12 +100,64 @@ def test_one_step_changes_only_the_adapters():
 
 def test_bad_lora_flags_stop_with_a_message():
     with pytest.raises(SystemExit, match="--lora.rank -1: must be >= 0"):
-        check_lora(LoraConfig(rank=-1), "none")
-    with pytest.raises(SystemExit, match="--lora.dropout 0.1 with --correction.mode token_truncate"):
-        check_lora(LoraConfig(rank=8, dropout=0.1), "token_truncate")
-    check_lora(LoraConfig(rank=8, dropout=0.1), "none")  # no correction: allowed
+        check_lora(LoraConfig(rank=-1))
+    with pytest.raises(SystemExit, match="--lora.dropout 0.1 with --num-minibatches 4: the batch is used more"):
+        check_lora(LoraConfig(rank=8, dropout=0.1), batch_reuse="--num-minibatches 4")
+    with pytest.raises(SystemExit, match=r"compares .* with the sampler's \(--correction.mode token_truncate\)"):
+        check_lora(LoraConfig(rank=8, dropout=0.1), sampler_comparison="--correction.mode token_truncate")
+    check_lora(LoraConfig(rank=8, dropout=0.1))  # one use of each batch, no comparison with μ: allowed
+    check_lora(LoraConfig(rank=8), "--num-minibatches 4", "--correction.mode token_truncate")  # no dropout: allowed
     with pytest.raises(SystemExit, match="Linear layers of this model: down_proj, gate_proj, k_proj, lm_head"):
         apply_lora(base_model(), LoraConfig(rank=8, target_modules=("qkv_proj",)))
+
+
+class _Accepted(Exception):
+    pass
+
+
+def dropout_check(script: str, monkeypatch, *flags: str) -> str:
+    """What ``algos/<script>.py --lora.rank 4 --lora.dropout 0.1 <flags>`` does at its flag checks: '' when its
+    ``start_run`` accepts the flags (it reaches the process start, stubbed here: nothing loads or writes), else the
+    refusal's message."""
+    module = load_algo(script)
+
+    def accepted(*args, **kwargs):
+        raise _Accepted
+
+    monkeypatch.setattr("common.runtime.Accelerator", accepted)
+    monkeypatch.setattr("sys.argv", [f"{script}.py", "--lora.rank", "4", "--lora.dropout", "0.1", *flags])
+    try:
+        module.main()
+    except _Accepted:
+        return ""
+    except SystemExit as exc:
+        return str(exc)
+    raise AssertionError(f"{script}: main returned without starting a run")
+
+
+def test_lora_dropout_is_refused_where_a_batch_is_reused_or_the_loss_compares_with_the_sampler(monkeypatch):
+    """Dropout makes each training forward draw its own masks: harmless only when every ratio the loss takes is
+    between forwards with the same masks (one minibatch, one epoch, no comparison with the sampler's log-probs μ)."""
+    assert dropout_check("grpo", monkeypatch) == ""  # one minibatch, one epoch, HF engine: the ratio is exactly 1
+    assert dropout_check("cispo", monkeypatch, "--num-minibatches", "1") == ""
+    # a reused batch: π_old and the update are forwards with different masks (dapo's 4 minibatches by default)
+    assert "with --num-minibatches 4: the batch is used more than once" in dropout_check("dapo", monkeypatch)
+    assert "with --num-minibatches 2" in dropout_check("cispo", monkeypatch)
+    assert "with --num-epochs 2" in dropout_check("grpo", monkeypatch, "--num-epochs", "2")
+    # a correction mode compares π_old with μ (the HF engine in eval mode: no dropout)
+    refusal = dropout_check("grpo", monkeypatch, "--correction.mode", "token_truncate")
+    assert "compares the trainer's log-probs with the sampler's (--correction.mode token_truncate)" in refusal
+    # the script's own weight against μ, named as such (its correction mode resolves to none): scalerl at any lag,
+    # dppo's trust region anchored to μ, cispo under lag
+    for script, flags in [
+        ("scalerl", ()),
+        ("scalerl", ("--max-lag", "1")),
+        ("dppo", ("--num-minibatches", "1")),
+        ("cispo", ("--num-minibatches", "1", "--max-lag", "2")),
+    ]:
+        refusal = dropout_check(script, monkeypatch, *flags)
+        assert "compares the trainer's log-probs with the sampler's" in refusal, (script, flags, refusal)
+        assert "sampler's log-probs μ" in refusal and "token_truncate" not in refusal, (script, flags, refusal)
 
 
 # --------------------------------------------------------------------------------------------------------- a run

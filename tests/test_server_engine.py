@@ -4,7 +4,9 @@ checks before training, and the fault path (on_fault, then a non-zero exit namin
 is exercised by tests/test_vllm_server.py in the vLLM tier."""
 
 import json
+import threading
 import time
+from collections import Counter
 from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 
@@ -14,14 +16,29 @@ from conftest import REPO, serve_http
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from common import rollout_client
 from common.engine_base import RolloutConfig
 from common.vllm_server import VLLMServerEngine, parse_urls
 
 TINY = str(REPO / "common" / "tiny_model")
 
 
+@pytest.fixture(autouse=True)
+def quick_retries(monkeypatch):
+    """Retries wait milliseconds here, not seconds."""
+    monkeypatch.setattr(rollout_client, "RETRY_BACKOFF_S", 0.01)
+
+
+def stub_sample(prompt: list[int], seed: int | None, j: int, length: int = 3) -> tuple[list[int], list[float]]:
+    """Sample j of a prompt on a StubServer: [last prompt id, j, seed-derived ids..., stop id 2], log-probs
+    -j/10 - k/100 at position k. A function of the request alone, as a seeded sampler's tokens are."""
+    middle = [((seed or 0) + j + k) % 50 + 3 for k in range(length - 3)]
+    return [prompt[-1], j, *middle, 2], [round(-0.1 * j - 0.01 * k, 6) for k in range(length)]
+
+
 class StubServer:
-    """Answers the routes VLLMServerEngine uses, as a vLLM dev-mode server would; records what it was sent."""
+    """Answers the routes VLLMServerEngine uses, as a vLLM dev-mode server would (generations as vLLM's event
+    stream, in HTTP/1.1 chunks, one token of one choice a chunk); records what it was sent. Knobs for the faults."""
 
     def __init__(self, vocab: int, hidden: int, layers: int, head_dtype: str = "float32", delay: float = 0.0):
         self.signature = {
@@ -38,13 +55,79 @@ class StubServer:
         }
         self.version, self.delay, self.requests, self.pushed = "default", delay, [], []
         self.broken = ""  # a route that answers 500
+        self.cut = ""  # a route that closes the connection without an answer
+        self.length, self.chunk_delay = 3, 0.0  # tokens per sample; seconds before each chunk
+        self.hold: dict[int, float] = {}  # last prompt id -> seconds before its answer starts (queued on the server)
+        self.stall_after: int | None = None  # stream this many chunks, then send nothing until released
+        self.drop_after, self.drops = 0, 0  # the next `drops` streams are cut after `drop_after` chunks
+        self.reset_answer: object = {"success": True}  # /reset_prefix_cache's answer (vLLM 0.32's shape)
+        self.calls: Counter = Counter()  # POSTs per route
+        self.bodies: list[bytes] = []  # every /v1/completions body, byte for byte
+        self.released = threading.Event()
         stub = self
 
         class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"  # chunked streams, as uvicorn sends them
+
             def log_message(self, *args):
                 pass
 
-            def answer(self, body: dict) -> None:
+            def chunk(self, data: bytes) -> None:
+                self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
+                self.wfile.flush()
+
+            def generate(self, body: dict) -> None:
+                """vLLM's completion_stream_generator with ``"stream": true``: a chunk per new token of a choice
+                (choices interleaved, out of index order), the finish reason on a choice's last one, then [DONE].
+                Without it, one JSON answer when all is generated (choices out of order), with the same timing."""
+                time.sleep(stub.delay + stub.hold.get(body["prompt"][-1], 0.0))
+                drop, streaming = stub.drops > 0, bool(body.get("stream"))
+                stub.drops -= drop
+                samples = [stub_sample(body["prompt"], body["seed"], j, stub.length) for j in range(body["n"])]
+                if streaming:
+                    self.send_response(200)
+                    self.send_header("Content-Type", "text/event-stream")
+                    self.send_header("Transfer-Encoding", "chunked")
+                    self.end_headers()
+                sent = 0
+                for k in range(stub.length):
+                    for j in reversed(range(body["n"])):
+                        if drop and sent == stub.drop_after:
+                            self.close_connection = True  # cut mid-stream: no closing chunk
+                            return
+                        if stub.stall_after == sent:
+                            stub.released.wait(30)
+                            self.close_connection = True
+                            return
+                        time.sleep(stub.chunk_delay)
+                        last = k == stub.length - 1
+                        choice = {
+                            "index": j,
+                            "text": "",
+                            "token_ids": [samples[j][0][k]],
+                            "logprobs": {"token_logprobs": [samples[j][1][k]], "tokens": ["x"], "top_logprobs": []},
+                            "finish_reason": "stop" if last else None,
+                            "stop_reason": None,
+                        }
+                        if streaming:
+                            event = {"object": "text_completion", "choices": [choice]}
+                            self.chunk(b"data: %s\n\n" % json.dumps(event).encode())
+                        sent += 1
+                if not streaming:
+                    choices = [
+                        {
+                            "index": j,
+                            "token_ids": ids,
+                            "logprobs": {"token_logprobs": logprobs},
+                            "finish_reason": "stop",
+                        }
+                        for j, (ids, logprobs) in reversed(list(enumerate(samples)))
+                    ]
+                    return self.answer({"choices": choices})
+                self.chunk(b"data: [DONE]\n\n")
+                self.chunk(b"")
+
+            def answer(self, body: object) -> None:
                 data = json.dumps(body).encode()
                 self.send_response(200)
                 self.send_header("Content-Type", "application/json")
@@ -66,26 +149,26 @@ class StubServer:
                 self.send_error(404)
 
             def do_POST(self):
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])) or b"{}")
+                raw = self.rfile.read(int(self.headers["Content-Length"]))
+                body = json.loads(raw or b"{}")
+                stub.calls[self.path] += 1
                 if self.path == stub.broken:
                     return self.send_error(500, "broken on purpose")
+                if self.path == stub.cut:
+                    self.close_connection = True
+                    return None
                 if self.path == "/collective_rpc":
                     return self.answer({"results": [stub.signature]})
                 if self.path == "/v1/completions":
-                    time.sleep(stub.delay)
                     stub.requests.append(body)
-                    # sample j of a prompt: [last prompt id, j, stop id 2], log-prob -j/10
-                    choices = [
-                        {
-                            "index": j,
-                            "token_ids": [body["prompt"][-1], j, 2],
-                            "logprobs": {"token_logprobs": [-0.1 * j] * 3},
-                            "finish_reason": "stop",
-                            "stop_reason": None,
-                        }
-                        for j in reversed(range(body["n"]))  # out of order: the engine sorts by index
-                    ]
-                    return self.answer({"choices": choices})
+                    stub.bodies.append(raw)
+                    try:
+                        return self.generate(body)
+                    except (BrokenPipeError, ConnectionResetError):  # the client gave up on it (a stall test)
+                        self.close_connection = True
+                        return None
+                if self.path == "/reset_prefix_cache":
+                    return self.answer(stub.reset_answer)
                 if self.path == "/update_weights":
                     stub.pushed.append(load_file(body["update_info"]["path"]))
                 if self.path == "/finish_weight_update":
@@ -95,6 +178,7 @@ class StubServer:
         self.http, self.url = serve_http(Handler)
 
     def close(self):
+        self.released.set()
         self.http.shutdown()
         self.http.server_close()
 
@@ -145,7 +229,8 @@ def test_whole_groups_go_to_one_server_in_contiguous_shares(stubs, tiny):
     assert (request["repetition_penalty"], request["min_p"], request["presence_penalty"]) == (1.0, 0.0, 0.0)
     # in prompt order, each group's samples in index order
     assert [c.token_ids for c in out] == [[10 + i, j, 2] for i in range(5) for j in range(3)]
-    assert out[4].logprobs == pytest.approx([-0.1] * 3) and {c.finish_reason for c in out} == {"stop"}
+    assert out[4].logprobs == pytest.approx([-0.1, -0.11, -0.12]) and {c.finish_reason for c in out} == {"stop"}
+    assert all(r["stream"] for r in stubs[0].requests)  # streamed: the timeout bounds silence, not generation
 
 
 def test_a_push_sends_every_weight_under_a_new_version(stubs, tiny):
@@ -215,6 +300,7 @@ def test_with_lag_the_next_batch_samples_on_the_servers_while_the_trainer_trains
     eng = engine([stubs[0].url], tiny)
     stubs[0].delay = 0.4
     books = SimpleNamespace(cursor=0, prompt_indices=[], state={}, run=SimpleNamespace(world=1, rank=0))
+    books.register = books.state.__setitem__
     versions = []
 
     def sample(step):
@@ -253,6 +339,7 @@ def test_with_lag_a_server_lost_during_a_batch_sampled_ahead_checkpoints_the_upd
     faults = []
     eng.on_fault = faults.append
     books = SimpleNamespace(cursor=0, prompt_indices=[], state={}, run=SimpleNamespace(world=1, rank=0))
+    books.register = books.state.__setitem__
 
     def sample(step):
         if step == 1:  # batch 0 is done on the (one-thread) sampler before batch 1 reaches the server, then it fails

@@ -32,12 +32,12 @@ from common.logprobs import token_logprobs  # noqa: E402
 from common.rollout import HFEngine, RolloutConfig, prompt_seeds  # noqa: E402
 from common.vllm_engine import (  # noqa: E402
     VLLMEngine,
-    _hf_named_weights,
     _vllm_model,
     fused_moe_layers,
     post_processed_layers,
     weight_sync_path,
 )
+from common.weight_export import export_weights  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -267,7 +267,7 @@ def test_a_lora_push_moves_the_sampler_to_the_adapted_policy(setup):
 
 def test_weight_names_unwrapped(setup):
     _, model, _, _ = setup
-    names = [name for name, _ in _hf_named_weights(Wrapped(Wrapped(model)))]
+    names = [name for name, _ in export_weights(Wrapped(Wrapped(model)))]
     assert names == [name for name, _ in model.named_parameters()]
     assert "lm_head.weight" not in names  # tied: the embedding is sent once
 
