@@ -77,7 +77,7 @@ def test_grpo_sharded_matches_one_process_and_resumes(tmp_path):
         assert gap < FP32_TOL
 
 
-@pytest.mark.parametrize("algo", ["ppo", "prime"])
+@pytest.mark.parametrize("algo", [pytest.param("ppo", marks=pytest.mark.slow), "prime"])
 def test_critic_and_prm_sharded_match_one_process(tmp_path, algo):
     """ppo shards its critic and prime its implicit PRM: both models' updates match one unsharded process (fp32)."""
     extra = ["--mixed-precision", "no", "--total-steps", "2"]
@@ -97,6 +97,7 @@ def test_critic_and_prm_sharded_match_one_process(tmp_path, algo):
     assert_same_steps(train_rows(one), train_rows(fsdp))
 
 
+@pytest.mark.slow
 def test_bf16_autocast_sharded_update_stays_close(tmp_path):
     """Under bf16 autocast (fp32 master weights, fp32 reductions) the sharded update against the unsharded ones: DDP
     on the same two processes (the same per-rank micro-batches: what sharding itself changes) and one process (whose

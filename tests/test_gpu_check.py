@@ -21,6 +21,7 @@ def load_gpu_check():
     return module
 
 
+@pytest.mark.slow
 def test_gpu_check_smoke(tmp_path):
     cmd = [sys.executable, str(REPO / "benchmarks" / "gpu_check.py"), "--smoke", "--out", str(tmp_path)]
     result = subprocess.run(

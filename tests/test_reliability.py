@@ -39,7 +39,7 @@ def wait_for_step(run_dir, step, proc, timeout=300):
     raise TimeoutError(f"step {step} not reached")
 
 
-@pytest.mark.parametrize("max_lag", [1, 3])
+@pytest.mark.parametrize("max_lag", [pytest.param(1, marks=pytest.mark.slow), 3])
 def test_sigkill_then_resume_reproduces_the_uninterrupted_run(tmp_path, max_lag):
     """At --max-lag 3 the checkpoint holds the batches sampled ahead by older weights, which a resume cannot
     regenerate: it must take them from the checkpoint to reproduce the run."""

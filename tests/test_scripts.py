@@ -43,7 +43,12 @@ def read_metrics(run_dir) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-@pytest.mark.parametrize("script", SCRIPTS)
+RESUME_IN_MAIN = {"grpo", "cispo", "dapo", "ppo"}  # the rest run under -m slow (keeps the main suite in its budget)
+
+
+@pytest.mark.parametrize(
+    "script", [s if s in RESUME_IN_MAIN else pytest.param(s, marks=pytest.mark.slow) for s in SCRIPTS]
+)
 def test_script_trains_checkpoints_and_resumes(script, tmp_path):
     """At --max-lag 2 where the script supports it (maxrl and prime refuse it): steps 2 and 3 train on batches sampled
     one version earlier; step 3's batch was sampled ahead before the first run ended and comes from its checkpoint."""
@@ -140,7 +145,9 @@ def test_refuses_tiny_learning_rate_for_a_hub_model(tmp_path):
     assert result.returncode != 0 and "--learning-rate is required" in result.stderr
 
 
-@pytest.mark.parametrize("script", ["grpo", "ppo", "prime"])
+@pytest.mark.parametrize(
+    "script", ["ppo", pytest.param("grpo", marks=pytest.mark.slow), pytest.param("prime", marks=pytest.mark.slow)]
+)
 def test_gradient_checkpointing_changes_memory_not_the_update(script, tmp_path):
     """--gradient-checkpointing (policy, and ppo's critic / prime's PRM) gives the same weights after a step (fp32)."""
     for name, flags in (("plain", []), ("ckpt", ["--gradient-checkpointing"])):
