@@ -60,6 +60,9 @@ class Completion:
     logprobs: list[float]  # log-prob of each generated id under the sampling distribution
     finish_reason: str  # "stop" (stop token or stop string) or "length" (hit max_new_tokens)
     version: int = 0  # the policy version that sampled it (common/async_rollout.py): the step whose weights
+    # common/tool_loop.py: 1 where the tool loop appended the token (an observation; its logprobs entry is 0.0, no
+    # sampler log-prob), 0 where it was sampled; None: every token was sampled (single turn, or no observation)
+    observation_mask: list[int] | None = None
 
 
 class Engine(Protocol):
