@@ -52,6 +52,11 @@ def pack_rollout(
     ``completions`` holds ``group_size`` rows per prompt, contiguous. Returns ``input_ids`` and ``attention_mask``
     (B, P + W), and ``completion_mask`` (1 on generated tokens, EOS included) and the sampler's ``rollout_logprobs``
     (B, W), where W, the completion width, is the longest completion.
+
+    A tool loop's completion (``Completion.observation_mask``, common/tool_loop.py) also holds the observation tokens
+    it appended: the attention mask covers them (the model sees them, positions stay those of the sampled sequence),
+    while ``completion_mask``, the loss mask of every script, is 0 there, and so is their ``rollout_logprobs``: only
+    the model's own tokens count in the losses, KL, entropy, correction weights, lengths and metrics.
     """
     batch_size = len(completions)
     completion_width = max(len(c.token_ids) for c in completions)
@@ -60,12 +65,15 @@ def pack_rollout(
     completion_tensor = torch.full((batch_size, completion_width), pad_id, dtype=torch.long)
     completion_mask = torch.zeros((batch_size, completion_width))
     rollout_logprobs = torch.zeros((batch_size, completion_width))
+    token_mask = torch.zeros((batch_size, completion_width))  # every completion token, observations included
     for i, c in enumerate(completions):
         completion_tensor[i, : len(c.token_ids)] = torch.tensor(c.token_ids)
-        completion_mask[i, : len(c.token_ids)] = 1
-        rollout_logprobs[i, : len(c.token_ids)] = torch.tensor(c.logprobs)
+        token_mask[i, : len(c.token_ids)] = 1
+        sampled = 1 - torch.tensor(c.observation_mask, dtype=torch.float) if c.observation_mask is not None else 1
+        completion_mask[i, : len(c.token_ids)] = sampled
+        rollout_logprobs[i, : len(c.token_ids)] = torch.tensor(c.logprobs) * sampled
     input_ids = torch.cat([prompt_tensor, completion_tensor], dim=1).to(device)
-    attention_mask = torch.cat([prompt_mask, completion_mask.long()], dim=1).to(device)
+    attention_mask = torch.cat([prompt_mask, token_mask.long()], dim=1).to(device)
     return input_ids, attention_mask, completion_mask.to(device), rollout_logprobs.to(device)
 
 
