@@ -349,7 +349,8 @@ def main() -> None:
             round_golds = [p["answer"] for p in round_problems for _ in range(args.group_size)]
             outputs = compute_rewards(task.train_info.reward_fn, round_texts, round_golds)
             round_correct = torch.tensor([o.correct for o in outputs], dtype=torch.float32)
-            round_lengths = torch.tensor([len(c.token_ids) for c in round_completions])
+            # |y| counts the model's own tokens: a tool loop's observations are not sampled
+            round_lengths = torch.tensor([len(c.token_ids) - sum(c.observation_mask or ()) for c in round_completions])
             cache_len = round(args.overlong_cache_frac * args.max_new_tokens)
             round_rewards = 2 * round_correct - 1 + overlong_penalty(round_lengths, args.max_new_tokens, cache_len)
             reward_s += time.time() - t0

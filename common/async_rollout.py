@@ -178,7 +178,9 @@ class LaggedRollouts:
             req = b.request
             if req.completions is None and req.future.exception() is None:  # waits for a request still running
                 req.completions = req.future.result()
-            sampled = [(c.token_ids, c.logprobs, c.finish_reason) for c in req.completions or []] or None
+            # a tool loop's completions keep which tokens were observations (Completion.observation_mask)
+            sampled = [(c.token_ids, c.logprobs, c.finish_reason, c.observation_mask) for c in req.completions or []]
+            sampled = sampled or None
             local.append(
                 {
                     "step": b.step,
@@ -215,7 +217,7 @@ class LaggedRollouts:
             group = len(saved["completions"]) // len(saved["indices"])
             lo, hi = run.rank * per_process, (run.rank + 1) * per_process
             indices = saved["indices"][lo:hi]
-            completions = [Completion(list(t), list(p), f) for t, p, f in saved["completions"][lo * group : hi * group]]
+            completions = [_completion(*saved_c) for saved_c in saved["completions"][lo * group : hi * group]]
             problems, prompt_ids = self.books.prompts_at(indices)
             req = Request(version=saved["version"], completions=completions)
             self.queue.append(Batch(saved["step"], -1, problems, prompt_ids, indices, req))
@@ -227,3 +229,9 @@ class LaggedRollouts:
 
     def wake(self) -> None:
         self.engine.wake()
+
+
+def _completion(token_ids, logprobs, finish_reason, observation_mask=None) -> Completion:
+    """A checkpointed completion (checkpoints from before tool loops hold three fields)."""
+    mask = list(observation_mask) if observation_mask is not None else None
+    return Completion(list(token_ids), list(logprobs), finish_reason, observation_mask=mask)

@@ -88,7 +88,7 @@ def test_the_batches_sampled_ahead_are_checkpointed_and_taken_after_a_resume():
     saved = rollouts.state_dict()
     # after step 2: batches 3 and 4 were sampled by versions 1 and 2 (no longer available to a resume)
     assert [(b["step"], b["version"]) for b in saved["batches"]] == [(3, 1), (4, 2)] and saved["cursor"] is None
-    assert saved["batches"][0]["completions"][0] == ([1, 106, 0], [-0.5] * 3, "stop")
+    assert saved["batches"][0]["completions"][0] == ([1, 106, 0], [-0.5] * 3, "stop", None)
     resumed_books, resumed_engine = Books(), Engine()
     resumed_engine.pushes = 3  # the resumed policy, version 3
     resumed_books.cursor = books.cursor
@@ -175,3 +175,20 @@ def test_under_lag_grpo_weights_its_loss_by_the_recomputed_policy_over_the_sampl
     assert (old - mu)[mask].abs().max() > 1e-3  # the lag is visible in the log-probs
     by_hand = torch.exp(old - mu).clamp(max=2.0)
     assert torch.allclose(step1["w"][mask], by_hand[mask], atol=1e-3)
+
+
+def test_a_tool_loops_observation_mask_survives_the_checkpoint_and_old_checkpoints_load():
+    books, engine = Books(), Engine()
+    rollouts = schedule(books, engine, 2)
+    train(rollouts, 1)  # batch 1 is queued
+    for c in rollouts.queue[0].request.completions:
+        c.observation_mask = [0, 1, 0]
+    saved = rollouts.state_dict()
+    restored = LaggedRollouts(Books(), Engine(), None, 2)
+    restored.load_state_dict(saved)
+    assert [c.observation_mask for c in restored.queue[0].request.completions] == [[0, 1, 0]] * 4
+    for batch in saved["batches"]:  # a checkpoint written before tool loops: (ids, log-probs, finish reason)
+        batch["completions"] = [tuple(c[:3]) for c in batch["completions"]]
+    old = LaggedRollouts(Books(), Engine(), None, 2)
+    old.load_state_dict(saved)
+    assert [c.observation_mask for c in old.queue[0].request.completions] == [None] * 4
