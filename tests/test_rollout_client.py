@@ -10,28 +10,15 @@ import time
 from collections import Counter
 
 import pytest
-import torch
+import test_server_engine
 from test_server_engine import TINY, StubServer, stub_sample
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from common import rollout_client
 from common.engine_base import RolloutConfig
 from common.rollout_client import check_rendezvous_address, is_local_host
 from common.vllm_server import VLLMServerEngine
 
-
-@pytest.fixture(autouse=True)
-def quick_retries(monkeypatch):
-    """Retries wait milliseconds here, not seconds."""
-    monkeypatch.setattr(rollout_client, "RETRY_BACKOFF_S", 0.01)
-
-
-@pytest.fixture(scope="module")
-def tiny():
-    model = AutoModelForCausalLM.from_pretrained(TINY, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(TINY)
-    tokenizer.eos_token_id = 2
-    return model, tokenizer
+# test_server_engine.py's fixtures: the tiny model with its stub's stop id, and retries that wait milliseconds
+quick_retries, tiny = test_server_engine.quick_retries, test_server_engine.tiny
 
 
 @pytest.fixture
