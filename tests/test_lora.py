@@ -22,8 +22,8 @@ TINY = REPO / "common" / "tiny_model"
 LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-def base_model():
-    return AutoModelForCausalLM.from_pretrained(TINY, dtype=torch.float32).eval()
+def base_model(dtype=torch.float32):
+    return AutoModelForCausalLM.from_pretrained(TINY, dtype=dtype).eval()
 
 
 def batch():
@@ -40,9 +40,9 @@ def logprobs(model):
         return token_logprobs(model, ids, mask, 12, 1.0)[0]
 
 
-def perturbed_lora(rank=8):
+def perturbed_lora(rank=8, dtype=torch.float32):
     """A rank-``rank`` LoRA policy on the tiny model with random non-zero B (as after training)."""
-    policy = apply_lora(base_model(), LoraConfig(rank=rank)).eval()
+    policy = apply_lora(base_model(dtype), LoraConfig(rank=rank)).eval()
     g = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for name, param in policy.named_parameters():

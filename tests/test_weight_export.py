@@ -24,8 +24,8 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import REPO, free_port
+from test_lora import base_model, perturbed_lora
 from torch.overrides import TorchFunctionMode
-from transformers import AutoModelForCausalLM
 
 from common.lora import AdapterDisabled, LoraConfig, apply_lora, is_lora
 from common.weight_export import export_metadata, export_weights, unwrap_model
@@ -40,21 +40,6 @@ class Wrapped(torch.nn.Module):
     def __init__(self, module):
         super().__init__()
         self.module = module
-
-
-def base_model(dtype=torch.float32):
-    return AutoModelForCausalLM.from_pretrained(TINY, dtype=dtype).eval()
-
-
-def perturbed_lora(rank: int = 8, dtype=torch.float32):
-    """A LoRA policy on the tiny model with random non-zero B (as after training)."""
-    policy = apply_lora(base_model(dtype), LoraConfig(rank=rank)).eval()
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for name, param in policy.named_parameters():
-            if "lora_B" in name:
-                param.copy_(torch.randn(param.shape, generator=g) * 0.05)
-    return policy
 
 
 # ------------------------------------------------------------------------------ the paths before this one, verbatim
