@@ -51,11 +51,16 @@ from common.tasks import ARITH_SPECS, CODE_SPECS, Problem, load_arith, load_code
 REPO_ROOT = Path(__file__).resolve().parent.parent
 TINY_MODEL_DIR = REPO_ROOT / "common" / "tiny_model"
 TINY_CODE_MODEL_DIR = REPO_ROOT / "common" / "tiny_code_model"  # the code-expr warm start (--model tiny-code)
+# algos/opd.py's teacher for the tiny default (--teacher tiny-teacher): the tiny model after 60 GRPO steps, shipped
+# with the command that built it in its README.md (a GRPO run is not bit-reproducible across CPUs)
+TINY_TEACHER_MODEL_DIR = REPO_ROOT / "common" / "tiny_teacher_model"
 
 
 def resolve_model_path(name_or_path: str) -> str:
     """Map ``"tiny"`` (``"tiny-code"``) to the shipped offline (code) model folder; pass any other hub id or path
     through."""
+    if name_or_path == "tiny-teacher":  # opd.py's shipped teacher
+        return str(TINY_TEACHER_MODEL_DIR)
     shipped = {"tiny": (TINY_MODEL_DIR, ""), "tiny-code": (TINY_CODE_MODEL_DIR, " --task code-expr")}
     if name_or_path in shipped:
         folder, flags = shipped[name_or_path]
