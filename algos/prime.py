@@ -62,6 +62,7 @@ from common.packing import micro_batches  # noqa: E402
 from common.rollout import RolloutConfig, make_engine  # noqa: E402
 from common.runtime import load_model, load_task, load_tokenizer, reference_model, start_run  # noqa: E402
 from common.sandbox import SandboxConfig  # noqa: E402
+from common.tool_loop import ToolConfig  # noqa: E402
 from common.verifiers import compute_rewards  # noqa: E402
 
 
@@ -120,6 +121,8 @@ class Args:
     """LoRA adapters on the policy (--lora.rank > 0; the reference is the base, adapters off; common/lora.py)"""
     sandbox: SandboxConfig = field(default_factory=SandboxConfig)
     """where model-written programs run for code rewards (common/sandbox.py; bwrap rung probed at start-up)"""
+    tools: ToolConfig = field(default_factory=ToolConfig)
+    """tool-integrated rollouts: the model calls a calculator or sandboxed Python mid-answer (common/tool_loop.py)"""
     max_lag: int = 1
     """asynchronous RL (batch s sampled by version max(0, s-k+1)): not for PRIME, only 1 (synchronous)"""
     # optimisation

@@ -1,5 +1,9 @@
 """Asynchronous rollouts with a fixed lag: batch s is sampled by policy version max(0, s - k + 1), k = ``--max-lag``.
 
+With ``--tools.format`` set, every request runs through the tool loop (``common/tool_loop.py``) on this process's
+engine at the request's weight version (``sample_local``: ranks take different numbers of turns), its completions
+carrying observation masks and ``ToolStats``, whose ``tools/*`` metrics ``take`` adds to ``stats``.
+
 Versions count weight pushes: version v is the policy after v training steps (one push per step). The lag of a batch
 is (the version its step updates) - (the version that sampled it) = min(s, k - 1), whatever the timing, so runs and
 resumes are reproducible; k = 1 is the synchronous loop. This is PipelineRL's ``max_lag`` and AReaL's
@@ -29,6 +33,7 @@ data cursor needs nothing more.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -37,6 +42,7 @@ from typing import Callable
 import torch
 
 from common.engine_base import Completion
+from common.tool_loop import ToolConfig, ToolStats, generate_with_tools, tool_metrics
 
 
 @dataclass
@@ -77,6 +83,8 @@ class LaggedRollouts:
         self.train_start = 0.0  # when take() returned: the trainer works until update_weights
         self.prompt_indices: list[int] = []  # training-set indices of the prompts of the batch take() returned
         self.resume_cursor: int | None = None  # a restored checkpoint's rewound data cursor (see load_state_dict)
+        # --tools.*: every request goes through the tool loop, on this process's engine at the request's version
+        self.tools: ToolConfig = getattr(getattr(books, "args", None), "tools", None) or ToolConfig()
         books.register("rollouts", self)  # checkpointed with the run
 
     def request(
@@ -98,6 +106,8 @@ class LaggedRollouts:
             def run() -> list[Completion]:
                 req.start = time.time()
                 try:
+                    if self.tools.format != "none":
+                        return self.with_tools(_AtVersion(self.engine, version), args)
                     return self.engine.sample_local(*args, version=version)
                 finally:
                     req.end = time.time()
@@ -106,10 +116,20 @@ class LaggedRollouts:
         else:
             req.start = time.time()
             self.engine.wake()
-            req.completions = self.engine.generate(*args)
+            if self.tools.format != "none":  # ranks may take different turns: no collective inside the loop
+                req.completions = self.with_tools(_AtVersion(self.engine, None), args)
+            else:
+                req.completions = self.engine.generate(*args)
             self.engine.sleep()
             req.end = time.time()
         return req
+
+    def with_tools(self, engine, args: tuple) -> list[Completion]:
+        """``args`` (``Engine.generate``'s) through the tool loop; each completion carries its ``ToolStats``."""
+        completions, _ = generate_with_tools(
+            engine, self.books.tokenizer, *args, cfg=self.tools, context_len=self.books.run.max_model_len
+        )
+        return completions
 
     def collect(self, req: Request, after_update: bool = False) -> list[Completion]:
         """The request's completions, each tagged with its version; a collective with servers (failures agreed, then
@@ -139,6 +159,8 @@ class LaggedRollouts:
         self.queue.pop(0)
         self.prompt_indices = batch.indices  # the prompts this step trains on
         self.stats = self.lag_stats(step, completions)
+        if self.tools.format != "none":  # the loop's metrics of the samples this step trains on
+            self.stats |= tool_metrics([c.tool_stats or ToolStats() for c in completions])
         self.stats["time/rollout_wait_s"] = time.time() - t0  # the trainer idle, waiting for this batch (all if sync)
         self.train_start, self.taken = time.time(), batch.request
         return batch.problems, batch.prompt_ids, completions
@@ -178,8 +200,11 @@ class LaggedRollouts:
             req = b.request
             if req.completions is None and req.future.exception() is None:  # waits for a request still running
                 req.completions = req.future.result()
-            # a tool loop's completions keep which tokens were observations (Completion.observation_mask)
-            sampled = [(c.token_ids, c.logprobs, c.finish_reason, c.observation_mask) for c in req.completions or []]
+            # a tool loop's completions keep which tokens were observations, what the loop did, and the void filter
+            sampled = [
+                (c.token_ids, c.logprobs, c.finish_reason, c.observation_mask, _stats_dict(c.tool_stats), c.excluded)
+                for c in req.completions or []
+            ]
             sampled = sampled or None
             local.append(
                 {
@@ -231,7 +256,29 @@ class LaggedRollouts:
         self.engine.wake()
 
 
-def _completion(token_ids, logprobs, finish_reason, observation_mask=None) -> Completion:
-    """A checkpointed completion (checkpoints from before tool loops hold three fields)."""
+class _AtVersion:
+    """``engine`` as an ``Engine.generate`` for the tool loop: ``sample_local`` at weight version ``version``, on this
+    process alone (ranks take different numbers of turns, so the loop must not call a collective)."""
+
+    def __init__(self, engine, version) -> None:
+        self.engine, self.version = engine, version
+
+    def generate(self, prompt_ids, n, max_new_tokens, temperature, top_p, seed, stop=()) -> list[Completion]:
+        return self.engine.sample_local(
+            prompt_ids, n, max_new_tokens, temperature, top_p, seed, stop, version=self.version
+        )
+
+
+def _stats_dict(stats: ToolStats | None) -> dict | None:
+    return dataclasses.asdict(stats) if stats is not None else None
+
+
+def _completion(
+    token_ids, logprobs, finish_reason, observation_mask=None, tool_stats=None, excluded=False
+) -> Completion:
+    """A checkpointed completion (checkpoints from before tool loops hold three fields, from before tool stats four)."""
     mask = list(observation_mask) if observation_mask is not None else None
-    return Completion(list(token_ids), list(logprobs), finish_reason, observation_mask=mask)
+    stats = ToolStats(**tool_stats) if tool_stats is not None else None
+    return Completion(
+        list(token_ids), list(logprobs), finish_reason, observation_mask=mask, tool_stats=stats, excluded=excluded
+    )

@@ -56,7 +56,8 @@ def pack_rollout(
     A tool loop's completion (``Completion.observation_mask``, common/tool_loop.py) also holds the observation tokens
     it appended: the attention mask covers them (the model sees them, positions stay those of the sampled sequence),
     while ``completion_mask``, the loss mask of every script, is 0 there, and so is their ``rollout_logprobs``: only
-    the model's own tokens count in the losses, KL, entropy, correction weights, lengths and metrics.
+    the model's own tokens count in the losses, KL, entropy, correction weights, lengths and metrics. A completion
+    the void filter dropped (``Completion.excluded``, ``--tools.void-filter``) is attended to but has no loss token.
     """
     batch_size = len(completions)
     completion_width = max(len(c.token_ids) for c in completions)
@@ -70,6 +71,7 @@ def pack_rollout(
         completion_tensor[i, : len(c.token_ids)] = torch.tensor(c.token_ids)
         token_mask[i, : len(c.token_ids)] = 1
         sampled = 1 - torch.tensor(c.observation_mask, dtype=torch.float) if c.observation_mask is not None else 1
+        sampled = 0 * sampled if c.excluded else sampled  # SimpleTIR's void filter: none of its tokens train
         completion_mask[i, : len(c.token_ids)] = sampled
         rollout_logprobs[i, : len(c.token_ids)] = torch.tensor(c.logprobs) * sampled
     input_ids = torch.cat([prompt_tensor, completion_tensor], dim=1).to(device)
@@ -88,7 +90,9 @@ def rollout_stats(
     incorrect completions apart, 0 when there are none: Dr. GRPO's length bias shows in the wrong ones), truncation,
     zero-advantage groups."""
     grouped_rewards = rewards.view(-1, group_size)
-    lengths, right = completion_mask.sum(-1).float().cpu(), correct.float().cpu()
+    # sampled tokens per completion (a tool loop's observations not counted), excluded samples included
+    lengths = torch.tensor([len(c.token_ids) - sum(c.observation_mask or ()) for c in completions], dtype=torch.float)
+    right = correct.float().cpu()
     return {
         "train/reward": rewards.mean().item(),
         "train/accuracy": correct.mean().item(),
@@ -324,6 +328,8 @@ class Bookkeeper:
             gather=(lambda results: run.accelerator.gather_for_metrics(results, use_gather_object=True))
             if run.world > 1
             else None,
+            tools=getattr(self.args, "tools", None),
+            context_len=run.max_model_len,
         )
         metrics["time/eval_s"] = time.time() - t0
         if run.is_main:

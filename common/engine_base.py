@@ -10,9 +10,12 @@ from __future__ import annotations
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Literal, Protocol, TypeVar
+from typing import TYPE_CHECKING, Literal, Protocol, TypeVar
 
 import torch
+
+if TYPE_CHECKING:
+    from common.tool_loop import ToolStats
 
 T = TypeVar("T")
 
@@ -63,6 +66,10 @@ class Completion:
     # common/tool_loop.py: 1 where the tool loop appended the token (an observation; its logprobs entry is 0.0, no
     # sampler log-prob), 0 where it was sampled; None: every token was sampled (single turn, or no observation)
     observation_mask: list[int] | None = None
+    tool_stats: ToolStats | None = None  # common/tool_loop.py: what the loop did for this sample (None: no loop)
+    # common/tool_loop.py, --tools.void-filter (SimpleTIR): True when the sample holds a void turn; its reward still
+    # counts in its group, but pack_rollout leaves all its tokens out of the loss mask
+    excluded: bool = False
 
 
 class Engine(Protocol):

@@ -20,6 +20,7 @@ from typing import Callable
 from tqdm.auto import tqdm
 
 from common.rollout import RolloutConfig, prompt_seeds
+from common.tool_loop import ToolConfig, gathered_tool_metrics, generate_with_tools
 
 EVAL_SEED = 12345  # the sampling seed of every held-out evaluation, during training and from the command line
 TRAINING_MAX_NEW_TOKENS = 40  # the scripts' --max-new-tokens default: the token budget when nothing else sets one
@@ -96,6 +97,8 @@ def evaluate(
     rank: int = 0,
     world: int = 1,
     gather: Callable[[list], list] | None = None,
+    tools: ToolConfig | None = None,
+    context_len: int = 0,
 ) -> dict[str, float]:
     """Generate on ``problems`` with ``engine`` and return ``eval/<name>/...`` metrics.
 
@@ -106,6 +109,10 @@ def evaluate(
     with the per-problem seeds it would have in a one-process run (so the samples do not depend on ``world``), and
     ``gather`` (a list from every process, concatenated in rank order) brings the results together; every process
     returns the metrics of the whole set.
+
+    ``tools`` (``--tools.*``): sample through the tool loop (``common/tool_loop.py``), as training does, with
+    ``context_len`` the engine's context; the sampled pass also logs the loop's ``tools/*`` metrics under
+    ``eval/<name>/``. None, or format 'none': single-turn samples.
     """
     from common.data import format_prompt
     from common.verifiers import compute_rewards, drain_reward_stats
@@ -129,7 +136,23 @@ def evaluate(
     metrics: dict[str, float] = {}
     passes = [("sampled", cfg.n, cfg.temperature)] + ([("greedy", 1, 0.0)] if cfg.greedy else [])
     for kind, n, temperature in tqdm(passes, desc=f"eval {name}", leave=False, disable=None):
-        completions = engine.generate(prompt_ids, n, cfg.max_new_tokens, temperature, cfg.top_p, seeds, stop=stop)
+        completions, tool_stats = generate_with_tools(
+            engine,
+            tokenizer,
+            prompt_ids,
+            n,
+            cfg.max_new_tokens,
+            temperature,
+            cfg.top_p,
+            seeds,
+            stop,
+            tools,
+            context_len=context_len,
+        )
+        if kind == "sampled" and tools is not None and tools.format != "none":
+            metrics.update(
+                {f"eval/{name}/{key}": value for key, value in gathered_tool_metrics(tool_stats, gather).items()}
+            )
         texts = tokenizer.batch_decode([c.token_ids for c in completions], skip_special_tokens=True)
         golds = [p["answer"] for p in problems for _ in range(n)]
         results = [
@@ -170,6 +193,8 @@ class EvalArgs:
     """'auto', 'cpu' or 'cuda'"""
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     """generation engine ('auto' = vLLM on a CUDA machine with vllm installed, else Hugging Face)"""
+    tools: ToolConfig = field(default_factory=ToolConfig)
+    """tool-integrated sampling, as the run trained with (--tools.format python --tools.tool calculator, ...)"""
 
 
 def run_token_budget(model_path: str) -> int:
@@ -213,6 +238,9 @@ def main() -> None:
     longest_prompt = max(len(tokenizer(format_prompt(p["prompt"], template, tokenizer))["input_ids"]) for p in problems)
     max_model_len = longest_prompt + args.eval.max_new_tokens
     limit = getattr(model.config, "max_position_embeddings", None)
+    if args.tools.format != "none":  # observations take positions too; a sample reaching the context ends "length"
+        args.tools.check()
+        max_model_len = min(longest_prompt + args.tools.total_budget(args.eval.max_new_tokens), limit or 1 << 62)
     if limit is not None and max_model_len > limit:
         raise SystemExit(
             f"the longest prompt ({longest_prompt} tokens) + --eval.max-new-tokens {args.eval.max_new_tokens} exceeds "
@@ -221,7 +249,19 @@ def main() -> None:
     engine = make_engine(args.rollout, model, tokenizer, path, args.seed, max_model_len=max_model_len)
     stop = STOP_STRINGS.get(template, ())
     print(describe_protocol(args.eval, args.dataset, template, args.seed), file=sys.stderr)
-    metrics = evaluate(engine, tokenizer, problems, info.reward_fn, template, args.eval, args.seed, args.dataset, stop)
+    metrics = evaluate(
+        engine,
+        tokenizer,
+        problems,
+        info.reward_fn,
+        template,
+        args.eval,
+        args.seed,
+        args.dataset,
+        stop,
+        tools=args.tools,
+        context_len=max_model_len,
+    )
     print(
         json.dumps({"model": args.model, "dataset": args.dataset, "protocol": vars(args.eval), **metrics}, default=list)
     )

@@ -81,12 +81,17 @@ def check_sandbox(args) -> None:
     from common.sandbox import SandboxConfig, SandboxUnavailableError, configure
 
     names = [args.dataset] + ([args.eval.dataset] if getattr(args, "eval", None) and args.eval.dataset else [])
-    if not any(dataset_info(name).reward_fn in CODE_REWARDS for name in names):
+    tools = getattr(args, "tools", None)
+    # the tool loop's python tool runs model-written programs too (the chat format may call it by name)
+    python_tool = tools is not None and (
+        tools.format == "chat" or (tools.format == "python" and tools.tool == "python")
+    )
+    if not python_tool and not any(dataset_info(name).reward_fn in CODE_REWARDS for name in names):
         return
     try:
         sandbox = configure(getattr(args, "sandbox", None) or SandboxConfig())
     except SandboxUnavailableError as e:
-        raise SystemExit(f"code rewards cannot start: {e}") from None
+        raise SystemExit(f"code rewards and the python tool cannot start: {e}") from None
     info = sandbox.describe()
     failed = "; ".join(f"{rung}: {why}" for rung, why in info["rungs_failed"].items())
     print(
@@ -118,13 +123,18 @@ def start_run(args, own_correction: str = "") -> Run:
     against the sampler's log-probs itself; empty when it does not), so the LoRA checks see the run as it will be.
     """
     if args.learning_rate is None:
-        if args.model not in ("tiny", "tiny-code"):
+        if args.model not in ("tiny", "tiny-code", "tiny-tool"):
             raise SystemExit(
-                "--learning-rate is required for a model other than the shipped 'tiny' and 'tiny-code' "
+                "--learning-rate is required for a model other than the shipped 'tiny', 'tiny-code' and 'tiny-tool' "
                 "(the tiny default 1e-4 would wreck a 1.5B model; papers use ~1e-6)"
             )
         args.learning_rate = 1e-4
     check_sampling_flags(args)
+    if (tools := getattr(args, "tools", None)) is not None:
+        try:
+            tools.check()
+        except ValueError as e:
+            raise SystemExit(str(e)) from None
     check_sandbox(args)
     if (lora := getattr(args, "lora", None)) is not None:
         check_lora(lora, *lora_dropout_hazards(args, own_correction))
@@ -199,11 +209,12 @@ def check_micro_batch_tokens(args, max_prompt_tokens: int) -> None:
     (the prompt budget plus ``--max-new-tokens``): packing never splits a sequence over two forwards."""
     if args.micro_batch_tokens < 0:
         raise SystemExit(f"--micro-batch-tokens {args.micro_batch_tokens}: must be 0 (padded rows) or a token count")
-    longest = max_prompt_tokens + args.max_new_tokens
+    budget, what = sample_budget(args)
+    longest = max_prompt_tokens + budget
     if 0 < args.micro_batch_tokens < longest:
         raise SystemExit(
             f"--micro-batch-tokens {args.micro_batch_tokens} cannot hold the longest sequence: --max-prompt-tokens "
-            f"{max_prompt_tokens} + --max-new-tokens {args.max_new_tokens} = {longest} tokens; raise "
+            f"{max_prompt_tokens} + {what} {budget} = {longest} tokens; raise "
             "--micro-batch-tokens or lower --max-prompt-tokens"
         )
 
@@ -295,7 +306,12 @@ def context_budget(args, model_path: str) -> tuple[int, int]:
     """
     budget = max(args.max_new_tokens, args.eval.max_new_tokens)
     limit = getattr(load_config(model_path), "max_position_embeddings", None) or 1 << 62
-    requested = args.rollout.max_model_len or args.max_prompt_tokens + budget
+    # a tool loop's observations take positions too: the context holds the whole budget where the model allows, and
+    # a sample that reaches the context ends with "length" (common/tool_loop.py); the prompt room below counts only
+    # the sampled budget, which must fit
+    tools = getattr(args, "tools", None)
+    total = max(budget, tools.total_budget(budget)) if tools is not None and tools.format != "none" else budget
+    requested = args.rollout.max_model_len or args.max_prompt_tokens + total
     if requested > limit and args.rollout.max_model_len:
         raise SystemExit(
             f"--rollout.max-model-len {args.rollout.max_model_len} exceeds the model's {limit} positions "
@@ -309,7 +325,16 @@ def context_budget(args, model_path: str) -> tuple[int, int]:
             f"{args.eval.max_new_tokens}) leaves no room for a prompt in {max_model_len} positions (the model's "
             f"max_position_embeddings {limit if limit < 1 << 62 else 'unset'}, or --rollout.max-model-len)"
         )
-    return max_prompt_tokens, max_prompt_tokens + budget
+    return max_prompt_tokens, min(max_model_len, max_prompt_tokens + total)
+
+
+def sample_budget(args) -> tuple[int, str]:
+    """The most tokens after the prompt one training sample may hold, and the flag that sets it: ``--max-new-tokens``,
+    or with a tool loop the sampled and observation tokens together (``ToolConfig.total_budget``)."""
+    tools = getattr(args, "tools", None)
+    if tools is None or tools.format == "none":
+        return args.max_new_tokens, "--max-new-tokens"
+    return tools.total_budget(args.max_new_tokens), "the tool loop's token budget (--tools.max-total-tokens)"
 
 
 def load_tokenizer(model_path: str):

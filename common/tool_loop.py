@@ -52,10 +52,14 @@ ignore its own calls. Chat format: a turn that ends with "</tool_call>" and then
 call too; its observation does not repeat the end-of-turn (``ChatFraming.observation(result, turn_ended=True)``).
 Tool errors and timeouts are observations with a status (``common.tools.run_tool_call``), never exceptions.
 
-Void turns (SimpleTIR, arXiv 2509.02479: a turn with neither a code block nor a final answer) are counted here as
-turns that stopped on a tool stop string with no call after it. Read literally, the definition also covers a turn
-that ends (EOS) with no final answer; judging an answer needs the task's verifier, so that part is the script's. A
-turn cut by a budget is not counted as void: its finish reason "length" reports it already.
+Void turns (SimpleTIR, arXiv 2509.02479: "a turn that yields neither a complete code block nor a final answer") are
+counted here as turns that stopped on a tool stop string with no call after it, and turns that end the sample with no
+call and without ``cfg.answer_marker`` ("\\boxed{" by default, the answer format of every math template here; '' counts
+only the first kind). A turn cut by a budget is not counted as void: its finish reason "length" reports it already.
+``cfg.void_filter`` (off by default, as in SimpleTIR's own scripts, ``--mask_void_turns``) marks a sample with a void
+turn ``Completion.excluded``: its reward still counts in its group's baseline, and ``pack_rollout`` gives it no loss
+token, as SimpleTIR zeroes such a trajectory's loss mask after the advantages are computed. Every returned completion
+carries its ``ToolStats`` (``Completion.tool_stats``).
 """
 
 from __future__ import annotations
@@ -102,6 +106,10 @@ class ToolConfig:
     """sampled + observation tokens per sample (0 = max_new_tokens + max_calls * max_obs_tokens)"""
     workers: int = 8
     """tool calls run in parallel (threads; a python call is a sandboxed process)"""
+    answer_marker: str = "\\boxed{"
+    """a turn that ends the sample with no call and without this text is void, as SimpleTIR counts ('' = none is)"""
+    void_filter: bool = False
+    """SimpleTIR's filter: a sample with a void turn keeps its reward in its group but trains on none of its tokens"""
 
     def total_budget(self, max_new_tokens: int) -> int:
         """Tokens after the prompt a sample may hold: ``max_total_tokens``, or by default what no sample can exceed."""
@@ -201,7 +209,7 @@ def generate_with_tools(
             )
             if len(outs) != len(active):
                 raise RuntimeError(f"the engine returned {len(outs)} completions for {len(active)} prompts")
-    return [s.completion() for s in samples], [s.stats for s in samples]
+    return [s.completion(cfg.void_filter) for s in samples], [s.stats for s in samples]
 
 
 @dataclass(eq=False)
@@ -224,11 +232,14 @@ class _Sample:
     def end(self, finish: str) -> None:
         self.finish, self.done = finish, True
 
-    def completion(self) -> Completion:
+    def completion(self, void_filter: bool) -> Completion:
         if self.stats.turns == 1 and self.token_ids == self.first.token_ids and self.finish == self.first.finish_reason:
-            return self.first
-        mask = self.mask if any(self.mask) else None
-        return Completion(list(self.token_ids), list(self.logprobs), self.finish, self.first.version, mask)
+            out = self.first
+        else:
+            mask = self.mask if any(self.mask) else None
+            out = Completion(list(self.token_ids), list(self.logprobs), self.finish, self.first.version, mask)
+        out.tool_stats, out.excluded = self.stats, void_filter and self.stats.void_turns > 0
+        return out
 
 
 class _Loop:
@@ -281,16 +292,18 @@ class _Loop:
         if finish != "stop":
             s.end("length")
             return None
+        text = self.tokenizer.decode(ids, skip_special_tokens=False)
         if self.stopped_on(ids, self.user_stops):  # the caller's stop string ends the sample, as it does single-turn
             s.end("stop")
+            s.stats.void_turns += bool(self.cfg.answer_marker) and self.cfg.answer_marker not in text
             return None
-        text = self.tokenizer.decode(ids, skip_special_tokens=False)
         call = detect_tool_call(
             text, self.cfg.format, block_tool=self.cfg.tool, tools=self.tools, end_of_turn=self.end_of_turn
         )
         if call is None:
             if not self.stopped_on(ids, self.tool_stops):
                 s.end("stop")  # EOS or the end-of-turn id: the answer is complete
+                s.stats.void_turns += bool(self.cfg.answer_marker) and self.cfg.answer_marker not in text
                 return None
             s.stats.void_turns += 1  # a fence that is no call: sample on from where it stopped
             if self.room(s) <= 0:
@@ -358,6 +371,11 @@ class _Loop:
             keep = max(0, min(keep - 1, keep * (limit - base) // max(1, len(ids) - base)))
 
 
+def gathered_tool_metrics(stats: Sequence[ToolStats], gather: Callable[[list], list] | None = None) -> dict[str, float]:
+    """``tool_metrics`` over every process's ``stats`` (``gather``: a list from every process, concatenated)."""
+    return tool_metrics(gather(list(stats)) if gather is not None else stats)
+
+
 def tool_metrics(stats: Sequence[ToolStats]) -> dict[str, float]:
     """Step metrics of the tool loop over one step's samples (for docs/metrics.md): per-sample means of calls,
     observation tokens, turns and void turns; the fractions of samples that called a tool, that hold a void turn
@@ -378,7 +396,8 @@ def tool_metrics(stats: Sequence[ToolStats]) -> dict[str, float]:
         "tools/void_turns": sum(s.void_turns for s in stats) / samples,
         "tools/void_rate": sum(s.void_turns > 0 for s in stats) / samples,
         "tools/call_limit_rate": sum(s.call_limited for s in stats) / samples,
+        "tools/success_rate": per_call(calls - sum(s.errors + s.timeouts + s.sandbox_errors for s in stats)),
     }
 
 
-__all__ = ["ToolConfig", "ToolStats", "generate_with_tools", "tool_metrics", "turn_seed"]
+__all__ = ["ToolConfig", "ToolStats", "gathered_tool_metrics", "generate_with_tools", "tool_metrics", "turn_seed"]

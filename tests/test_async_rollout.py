@@ -10,6 +10,7 @@ import pytest
 
 from common.async_rollout import LaggedRollouts, Request
 from common.engine_base import Completion, InProcessEngine
+from common.tool_loop import ToolStats
 
 
 class Books:
@@ -88,7 +89,7 @@ def test_the_batches_sampled_ahead_are_checkpointed_and_taken_after_a_resume():
     saved = rollouts.state_dict()
     # after step 2: batches 3 and 4 were sampled by versions 1 and 2 (no longer available to a resume)
     assert [(b["step"], b["version"]) for b in saved["batches"]] == [(3, 1), (4, 2)] and saved["cursor"] is None
-    assert saved["batches"][0]["completions"][0] == ([1, 106, 0], [-0.5] * 3, "stop", None)
+    assert saved["batches"][0]["completions"][0] == ([1, 106, 0], [-0.5] * 3, "stop", None, None, False)
     resumed_books, resumed_engine = Books(), Engine()
     resumed_engine.pushes = 3  # the resumed policy, version 3
     resumed_books.cursor = books.cursor
@@ -181,14 +182,21 @@ def test_a_tool_loops_observation_mask_survives_the_checkpoint_and_old_checkpoin
     books, engine = Books(), Engine()
     rollouts = schedule(books, engine, 2)
     train(rollouts, 1)  # batch 1 is queued
-    for c in rollouts.queue[0].request.completions:
+    for i, c in enumerate(rollouts.queue[0].request.completions):
         c.observation_mask = [0, 1, 0]
+        c.tool_stats, c.excluded = ToolStats(calls=1, obs_tokens=1, turns=2, void_turns=i), i == 3
     saved = rollouts.state_dict()
     restored = LaggedRollouts(Books(), Engine(), None, 2)
     restored.load_state_dict(saved)
-    assert [c.observation_mask for c in restored.queue[0].request.completions] == [[0, 1, 0]] * 4
+    completions = restored.queue[0].request.completions
+    assert [c.observation_mask for c in completions] == [[0, 1, 0]] * 4
+    assert [c.tool_stats.void_turns for c in completions] == [0, 1, 2, 3] and all(
+        c.tool_stats.calls == 1 for c in completions
+    )
+    assert [c.excluded for c in completions] == [False, False, False, True]
     for batch in saved["batches"]:  # a checkpoint written before tool loops: (ids, log-probs, finish reason)
         batch["completions"] = [tuple(c[:3]) for c in batch["completions"]]
     old = LaggedRollouts(Books(), Engine(), None, 2)
     old.load_state_dict(saved)
     assert [c.observation_mask for c in old.queue[0].request.completions] == [None] * 4
+    assert all(c.tool_stats is None and not c.excluded for c in old.queue[0].request.completions)

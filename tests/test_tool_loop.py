@@ -98,7 +98,8 @@ ANSWER = "So \\boxed{408}.<|im_end|>"
 
 
 def calculator_cfg(**kw) -> ToolConfig:
-    return ToolConfig(format="python", tool="calculator", **kw)
+    """The python format with the calculator; no answer marker unless asked (void = a fence with no call)."""
+    return ToolConfig(format="python", tool="calculator", **{"answer_marker": "", **kw})
 
 
 def test_token_in_token_out_observation_mask_and_logprobs():
@@ -220,7 +221,7 @@ def slow_tool_run(workers: int, barrier_timeout: float) -> tuple[list[str], list
 
     call = "```python\nwait()\n```\n"
     engine = ScriptedEngine(KeyDefault({Q: [call, call]}, ["done<|im_end|>"]))
-    cfg = ToolConfig(format="python", tool="slow", workers=workers)
+    cfg = ToolConfig(format="python", tool="slow", workers=workers, answer_marker="")
     out, stats = generate_with_tools(engine, TOK, [ids(Q)], 2, 64, 1.0, 1.0, [0], cfg=cfg, tools={"slow": slow})
     return [TOK.decode([t for t, m in zip(c.token_ids, c.observation_mask) if m]) for c in out], stats
 
@@ -267,7 +268,9 @@ def test_chat_format_and_a_call_closed_by_the_end_of_turn(stopped_on_end_of_turn
     engine = ScriptedEngine(
         {Q: [call], Q + call + obs: ["It is 5.<|im_end|>"]}, stop_strings=not stopped_on_end_of_turn
     )
-    out, stats = generate_with_tools(engine, TOK, [ids(Q)], 1, 128, 1.0, 1.0, [0], cfg=ToolConfig(format="chat"))
+    out, stats = generate_with_tools(
+        engine, TOK, [ids(Q)], 1, 128, 1.0, 1.0, [0], cfg=ToolConfig(format="chat", answer_marker="")
+    )
     assert engine.calls[0].stop == ("</tool_call>",)
     obs_ids = ids(obs)
     assert obs_ids.count(EOS) == (1 if stopped_on_end_of_turn else 2) and obs_ids.count(IM_START) == 2  # special ids
@@ -282,7 +285,9 @@ def test_an_eos_after_a_closed_call_tag_ends_the_sample():
     call = CHAT_CALL + "<|endoftext|>"
     engine = ScriptedEngine({Q: [call]}, stop_strings=False)
     stop = ("</a-long-final-answer-tag>",)
-    out, stats = generate_with_tools(engine, TOK, [ids(Q)], 1, 128, 1.0, 1.0, [0], stop, ToolConfig(format="chat"))
+    out, stats = generate_with_tools(
+        engine, TOK, [ids(Q)], 1, 128, 1.0, 1.0, [0], stop, ToolConfig(format="chat", answer_marker="")
+    )
     assert len(engine.calls) == 1 and out[0] is engine.outputs[0][0] and stats[0] == ToolStats(turns=1)
 
 
@@ -334,10 +339,26 @@ def test_tool_metrics_hand_values():
             "tools/void_turns": 1 / 3,
             "tools/void_rate": 1 / 3,
             "tools/call_limit_rate": 1 / 3,
+            "tools/success_rate": 1 / 3,  # 3 calls, 1 error, 1 timeout: one ran cleanly
         }
     )
     assert tool_metrics([]) == {}
     assert tool_metrics([ToolStats()])["tools/error_rate"] == 0.0  # no call: no division by zero
+
+
+def test_a_final_turn_without_the_answer_marker_is_void_and_the_filter_excludes_the_sample():
+    no_answer = "I give up.<|im_end|>"
+    engine = ScriptedEngine({Q: [CALL, no_answer, ANSWER], Q + CALL + OBS: [ANSWER]})  # a call, no answer, an answer
+    cfg = calculator_cfg(answer_marker="\\boxed{", void_filter=True)
+    out, stats = generate_with_tools(engine, TOK, [ids(Q)], 3, 64, 1.0, 1.0, [0], cfg=cfg)
+    # sample 0: call, then "\boxed{408}": no void; sample 1: ends with no call and no \boxed{: one void turn
+    assert [s.void_turns for s in stats] == [0, 1, 0]
+    assert [c.excluded for c in out] == [False, True, False]
+    assert [c.tool_stats for c in out] == stats
+    off = generate_with_tools(
+        ScriptedEngine({Q: [no_answer]}), TOK, [ids(Q)], 1, 64, 1.0, 1.0, [0], cfg=calculator_cfg()
+    )
+    assert off[1][0].void_turns == 0 and not off[0][0].excluded  # answer_marker "": only fences are void
 
 
 @pytest.mark.parametrize("fmt", ["python", "chat"])
@@ -350,7 +371,7 @@ def test_hf_engine_without_a_call_is_the_single_turn_rollout_bit_for_bit(fmt):
     generate = engine.generate
     engine.generate = lambda *a, **k: calls.append(a) or generate(*a, **k)
     looped, stats = generate_with_tools(
-        engine, TOK, *args, stop=("</answer>",), cfg=ToolConfig(format=fmt, tool="calculator")
+        engine, TOK, *args, stop=("</answer>",), cfg=ToolConfig(format=fmt, tool="calculator", answer_marker="")
     )
     assert len(calls) == 1 and all(s == ToolStats(turns=1) for s in stats)  # no call was made: the case under test
     assert [c.token_ids for c in looped] == [c.token_ids for c in single]

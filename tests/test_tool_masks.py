@@ -35,6 +35,19 @@ def test_a_completion_without_observations_packs_as_before():
         assert torch.equal(a, b)
 
 
+def test_a_void_filtered_sample_is_attended_but_has_no_loss_token():
+    """SimpleTIR's filter (Completion.excluded): the row keeps its ids and attention, loses every loss token; the other
+    row is untouched; rollout_stats still counts its sampled length (4 of TOOL's 6 tokens were sampled)."""
+    from common.bookkeeping import rollout_stats
+
+    dropped = Completion(TOOL.token_ids, TOOL.logprobs, "stop", observation_mask=TOOL.observation_mask, excluded=True)
+    input_ids, attention, loss_mask, mu = pack_rollout(PROMPT, [dropped, PLAIN], 2, PAD, "cpu")
+    assert attention.tolist() == [[1] * 9, [1, 1, 1, 1, 1, 1, 0, 0, 0]]
+    assert loss_mask.tolist() == [[0] * 6, [1, 1, 1, 0, 0, 0]] and mu[0].abs().sum() == 0
+    stats = rollout_stats(torch.tensor([1.0, 0.0]), torch.tensor([1.0, 0.0]), loss_mask, [dropped, PLAIN], 2)
+    assert stats["train/response_len"] == 3.5 and stats["train/response_len_correct"] == 4.0
+
+
 @pytest.fixture(scope="module")
 def tiny():
     torch.manual_seed(0)
