@@ -7,9 +7,11 @@ Sections, each written to disk as soon as it is measured (a cut-off run keeps wh
   scripts   every algos/*.py for 5 steps on the shipped tiny model (HF engine, default precision), then a resume
             to step 6: exit code, finite metrics, weights moved, a checkpoint, the resume message, peak GPU memory
   learner   random-weight Qwen2.5 shapes from common/model_configs/ (no download): a forward + backward through
-            the project's own log-prob path (common.logprobs.token_logprobs, fp32 chunked head at the real
-            vocabulary, bf16 autocast over fp32 weights as the scripts train) and an AdamW step, over micro-batch
-            size x sequence length x gradient checkpointing: peak memory, learner tokens/s, model-FLOPs utilisation;
+            the project's own log-prob path (common.logprobs.token_logprobs, chunked head at the real vocabulary in
+            the precision the scripts use on this device (``use_fp32_head``: bf16 on CUDA by default), bf16
+            autocast over fp32 weights as the scripts train) and an AdamW step, over micro-batch size x sequence
+            length x gradient checkpointing: peak memory, learner tokens/s, MFU on prime-rl's convention and
+            hardware FLOP utilisation with recomputation (``learner_flops``, docs/gpu.md "MFU: the convention");
             each shape twice at the same token count: padded (micro-batch rows, --micro-batch-size) and packed
             (--micro-batch-tokens: 2 x micro-batch sequences of 3/4 and 1/4 the length in one flat row,
             token_logprobs(packed=True), with the kernel a script would pick: flash-attention's varlen path when
@@ -19,7 +21,8 @@ Sections, each written to disk as soon as it is measured (a cut-off run keeps wh
 Beside every learner row, the memory planner's prediction for the same shape and the measured/predicted ratio.
 
 Outputs (``--out``, default benchmarks/results/gpu/, or runs/gpu_check_smoke/ with --smoke): results.json (device,
-driver, torch and CUDA versions, date, commit, every record) and results.md (the same as tables).
+driver, torch, transformers and CUDA versions, date, commit, MFU convention, every record) and results.md (the same
+as tables).
 The machine needs this repo's requirements except vLLM: `bash scripts/gpu_check_wheels.sh` downloads the wheels an
 offline GPU machine lacks and prints the one command that installs them there and runs this check.
 """
@@ -40,17 +43,104 @@ import time
 from pathlib import Path
 
 import torch
+import transformers
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from common.logprobs import token_logprobs  # noqa: E402
+from common.memory_shapes import ModelShape  # noqa: E402
 from common.packing import attention_implementation  # noqa: E402
-from common.rollout import HFEngine  # noqa: E402
+from common.rollout import HFEngine, RolloutConfig, use_fp32_head  # noqa: E402
 
 CONFIGS = REPO / "common" / "model_configs"
-# bf16 dense peak of the GPUs this check is meant for (TFLOP/s); MFU is left out on others
-PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0, "A100": 312.0}
+MFU_CONVENTION = (
+    "prime-rl (src/prime_rl/trainer/perf.py): 6 x matmul params per token (4 x + 6 x adapters for a frozen LoRA "
+    "base), LM head on every token, attention 12 L heads head_dim per (query, key) pair of a sequence, no causal "
+    "discount, no recompute credit; hfu: the FLOPs this code path executes, recomputation included (docs/gpu.md)"
+)
+
+
+def peak_bf16_flops(device: str) -> float | None:
+    """Dense bf16 peak FLOP/s of ``device`` (its name), as prime-rl's ``_get_peak_flops`` (after torchtitan's); None
+    for a device not listed (MFU is left out)."""
+    if "A100" in device:
+        return 312e12
+    if any(name in device for name in ("H100", "H200", "GH100", "GH200")):
+        return 835e12 if "NVL" in device else 756e12 if "PCIe" in device else 989e12
+    return None
+
+
+def learner_flops(
+    shape: ModelShape,
+    sequence_lengths: list[int],
+    head_tokens: int | None = None,
+    lora_params: int = 0,
+    checkpointing: bool = False,
+) -> dict[str, int]:
+    """FLOPs of one forward + backward over sequences of ``sequence_lengths`` tokens, two ways (docs/gpu.md, "MFU:
+    the convention"):
+
+    ``model``: prime-rl's convention (``PerfCounter``), the one MFU targets are quoted in. Matmul weights only:
+    P = layers x (q, k, v, o, gate, up, down) + vocab x hidden (the head, counted once and on every token, tied or
+    not; no embedding, norm or bias). 6 P per token (forward 2, backward 4); a frozen LoRA base 4 P (no weight
+    gradients) + 6 per adapter parameter. Attention: 12 x layers x heads x head_dim per (query, key) pair, with
+    sum(s^2) pairs over the sequences: no causal discount, whatever a kernel computes. No recomputation.
+    ``hardware``: what this project's code path executes in those matmuls. The head runs only on ``head_tokens``
+    (the positions that predict a completion token; default all) and is recomputed per chunk in the backward:
+    2 + 4 + 2 = 8 x vocab x hidden per scored token (6 under LoRA: no weight gradient for the frozen head). With
+    ``checkpointing`` every decoder layer's forward runs twice: + 2 P_layers (and + 2 per adapter parameter) per
+    token and + 4 x layers x heads x head_dim per attention pair. Not counted either way: elementwise work (norms,
+    RoPE, SwiGLU, softmax), a kernel's own recomputation (flash-attention's backward), the pairs a dense mask
+    computes outside the sequences (packed rows under sdpa), the one-position head call of the model's forward.
+    """
+    layers, hidden = shape.layers, shape.hidden
+    q_o = 2 * hidden * shape.heads * shape.head_dim
+    k_v = 2 * hidden * shape.kv_heads * shape.head_dim
+    body = layers * (q_o + k_v + 3 * hidden * shape.intermediate)  # matmul weights of the decoder layers
+    head = shape.vocab * hidden
+    tokens = sum(sequence_lengths)
+    pairs = sum(s * s for s in sequence_lengths)
+    scored = tokens if head_tokens is None else head_tokens
+    per_pair = 4 * layers * shape.heads * shape.head_dim  # QK^T and PV: 2 FLOPs per multiply-add over head_dim each
+    attention = 3 * per_pair * pairs  # forward + backward (twice the forward)
+    if lora_params:
+        model = 4 * (body + head) * tokens + 6 * lora_params * tokens + attention
+        hardware = 4 * body * tokens + 6 * lora_params * tokens + attention + 6 * head * scored
+    else:
+        model = 6 * (body + head) * tokens + attention
+        hardware = 6 * body * tokens + attention + 8 * head * scored
+    if checkpointing:
+        hardware += 2 * (body + lora_params) * tokens + per_pair * pairs
+    return {"model": model, "hardware": hardware}
+
+
+def utilisation(flops: dict[str, int], seconds: float, peak_flops: float) -> dict[str, float]:
+    """``mfu`` and ``hfu``: ``learner_flops``' model and hardware FLOPs over ``seconds`` x the device's peak."""
+    return {"mfu": flops["model"] / seconds / peak_flops, "hfu": flops["hardware"] / seconds / peak_flops}
+
+
+def probe_flops(
+    config_dir: Path,
+    layout: str,
+    micro_batch: int,
+    seq_len: int,
+    checkpointing: bool,
+    lora: int = 0,
+    lengths: list[int] | None = None,
+    prompts: list[int] | None = None,
+) -> dict[str, int]:
+    """``learner_flops`` of one learner probe: its sequences (``sequence_lengths``, or ``lengths``) and their
+    completion tokens (the sequence less its prompt: ``prompt_lengths``, or ``prompts``)."""
+    from common import memory
+
+    lengths = lengths or sequence_lengths(layout, micro_batch, seq_len)
+    prompts = prompts or prompt_lengths(layout, micro_batch, seq_len)
+    adapters = memory.lora_params(str(config_dir), lora, ("all-linear",)) if lora else 0
+    completion = sum(n - p for n, p in zip(lengths, prompts))
+    return learner_flops(memory.model_shape(str(config_dir)), lengths, completion, adapters, checkpointing)
+
+
 SMOKE_CONFIG = {  # a tiny Qwen2 shape for the CPU smoke run
     "architectures": ["Qwen2ForCausalLM"],
     "model_type": "qwen2",
@@ -102,12 +192,14 @@ def environment(smoke: bool) -> dict:
         "gpu_memory_gb": torch.cuda.get_device_properties(0).total_memory / 1e9 if cuda else None,
         "driver": driver,
         "torch": torch.__version__,
+        "transformers": transformers.__version__,
         "cuda": torch.version.cuda,
         "python": platform.python_version(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         # a copy of the tree (a GPU machine's) names the commit it holds in GPU_CHECK_COMMIT
         "commit": os.environ.get("GPU_CHECK_COMMIT") or commit.stdout.strip() or "unknown",
         "smoke": smoke,
+        "mfu_convention": MFU_CONVENTION,
     }
 
 
@@ -115,12 +207,15 @@ def markdown(env: dict, records: list[dict]) -> str:
     lines = [
         "# GPU check",
         "",
-        f"Device: {env['device']}; driver {env['driver'] or '–'}; torch {env['torch']}; CUDA {env['cuda']}; "
+        f"Device: {env['device']}; driver {env['driver'] or '–'}; torch {env['torch']}; "
+        f"transformers {env.get('transformers', '–')}; CUDA {env['cuda']}; "
         f"Python {env['python']}; {env['date']}; commit {env['commit']}"
         + ("; **smoke run on the CPU: no GPU figure here**" if env["smoke"] else ""),
         "",
         "Regenerate: `python benchmarks/gpu_check.py` (see its docstring).",
     ]
+    if env.get("mfu_convention"):
+        lines += ["", f"MFU convention: {env['mfu_convention']}."]
     tables = {
         "scripts": ("script", "ok", "steps", "wall_s", "s_per_step", "peak_gpu_gb", "error"),
         "learner": (
@@ -132,6 +227,7 @@ def markdown(env: dict, records: list[dict]) -> str:
             "sequences",
             "tokens",
             "attention",
+            "head",
             "checkpointing",
             "lora_rank",
             "start_gb",
@@ -143,6 +239,8 @@ def markdown(env: dict, records: list[dict]) -> str:
             "ratio",
             "tokens_per_s",
             "mfu",
+            "hfu",
+            "mfu_old_convention",
             "error",
         ),
         "generate": ("model", "prompts", "samples", "new_tokens", "tokens_per_s", "error"),
@@ -151,6 +249,7 @@ def markdown(env: dict, records: list[dict]) -> str:
         rows = [r for r in records if r["section"] == section]
         if not rows:
             continue
+        columns = [c for c in columns if any(c in r for r in rows)]  # a column no row has is left out
         lines += ["", f"## {section}", "", "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
         for r in rows:
             lines.append("| " + " | ".join(cell(r.get(c)) for c in columns) + " |")
@@ -363,7 +462,8 @@ def check_learner(
     from transformers import AutoModelForCausalLM
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    peak_tflops = next((v for k, v in PEAK_BF16_TFLOPS.items() if k in report.env["device"]), None)
+    peak_flops = peak_bf16_flops(report.env["device"])
+    fp32_head = use_fp32_head(RolloutConfig(), device)  # the scripts' default head on this device (trainer = sampler)
     for name in names:
         config, folder = load_config(name, smoke, workdir)
         for (micro_batch, seq_len, checkpointing), layout in itertools.product(grid, LAYOUTS):
@@ -378,6 +478,7 @@ def check_learner(
                 "sequences": len(sequence_lengths(layout, micro_batch, seq_len)),
                 "tokens": micro_batch * seq_len,
                 "attention": attention,
+                "head": "fp32" if fp32_head else "bf16",
                 "checkpointing": checkpointing,
                 "lora_rank": lora,
             }
@@ -419,7 +520,7 @@ def check_learner(
                             attention_mask,
                             completion,
                             1.0,
-                            fp32_head=True,
+                            fp32_head=fp32_head,
                             packed=layout == "packed",
                         )
                     loss = -(logprobs * completion_mask).sum() / completion_mask.sum()
@@ -440,13 +541,10 @@ def check_learner(
                 seconds = min(times[1:])
                 tokens = int(attention_mask.sum())
                 record["tokens_per_s"] = tokens / seconds
-                # 6 N T for the dense matmuls (x 4/3 with recomputation) + 12 L H S T for attention scores and values,
-                # S T summed per sequence (the model's own work; a packed row's dense mask computes more than that)
-                # LoRA: no weight gradients for the frozen base, 2 N T fewer (the adapters' own work is not counted)
-                flops = ((8 if checkpointing else 6) - (2 if lora else 0)) * params * tokens
-                flops += 12 * config.num_hidden_layers * config.hidden_size * int((attention_mask.sum(-1) ** 2).sum())
-                if peak_tflops:
-                    record["mfu"] = flops / seconds / (peak_tflops * 1e12)
+                flops = probe_flops(folder, layout, micro_batch, seq_len, checkpointing, lora)
+                record["model_tflop"], record["hardware_tflop"] = flops["model"] / 1e12, flops["hardware"] / 1e12
+                if peak_flops:
+                    record.update(utilisation(flops, seconds, peak_flops))
                 if record.get("peak_gb") and record["planned_gb"]:
                     record["ratio"] = record["peak_gb"] / record["planned_gb"]
             except torch.OutOfMemoryError as exc:  # a measurement too: the planner should say it does not fit

@@ -14,7 +14,8 @@ from benchmarks import collect
 from benchmarks.reporting import portable_command, portable_path
 
 RESULTS = REPO / "benchmarks" / "results"
-TEXT_SUFFIXES = {".csv", ".json", ".md"}
+TEXT_SUFFIXES = {".csv", ".json", ".jsonl", ".md", ".txt", ".log", ".toml", ".yaml", ".yml", ".svg"}
+BINARY_SUFFIXES = {".png"}  # every committed result is one or the other, so no new kind of text goes unscanned
 # an absolute path into a home, scratch or system folder, or a Windows drive; not one inside a URL or a relative path
 MACHINE_PATH = re.compile(r"(?<![\w.~/-])(?:/(?:work|home|root|tmp|Users|mnt|opt|private|var|scratch)/|[A-Za-z]:\\)")
 
@@ -24,8 +25,12 @@ def is_absolute(word: str) -> bool:
 
 
 def test_committed_results_hold_no_machine_path():
-    files = sorted(p for p in RESULTS.rglob("*") if p.suffix in TEXT_SUFFIXES)
+    every = [p for p in RESULTS.rglob("*") if p.is_file()]
+    unknown = sorted(str(p.relative_to(REPO)) for p in every if p.suffix not in TEXT_SUFFIXES | BINARY_SUFFIXES)
+    assert not unknown, f"results of no known kind (add the suffix to TEXT_SUFFIXES or BINARY_SUFFIXES): {unknown}"
+    files = sorted(p for p in every if p.suffix in TEXT_SUFFIXES)
     assert len(files) >= 10, f"only {len(files)} text files under {RESULTS}: the scan would prove nothing"
+    assert any(p.suffix == ".txt" for p in files)  # the GPU logs (features.txt, nvidia-smi.txt) are scanned too
     found = [
         f"{path.relative_to(REPO)}:{number}: ...{line[max(0, match.start() - 30) : match.start() + 60]}..."
         for path in files
