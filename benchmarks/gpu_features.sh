@@ -35,7 +35,9 @@ run() {
   local name=$1 t0=$SECONDS
   shift
   timeout 200 python3 "$@" --run-name "$name" >>"$OUT/logs.txt" 2>&1
-  echo "== $name: $* rc=$? wall=$((SECONDS - t0))s" | tee -a "$OUT/summary.txt"
+  local rc=$?
+  # the scratch runs folder is written as $RUNS, so committed results name no machine path
+  echo "== $name: ${*//$RUNS/\$RUNS} rc=$rc wall=$((SECONDS - t0))s" | tee -a "$OUT/summary.txt"
   summary "$name" >>"$OUT/summary.txt" 2>&1
 }
 run base algos/grpo.py $SMALL
