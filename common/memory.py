@@ -18,6 +18,9 @@ embeddings once) and the run's flags. Per GPU, with P parameters per model:
   layers at a time, weights and their unsharded gradients; ``--fsdp-offload`` keeps the sharded weights, gradients
   and AdamW moments in host memory.
 * a frozen reference: 4P (2P in bf16); loaded when ``kl_coef > 0``, and always by prime.py.
+* opd.py's frozen teacher (``--teacher``): its own parameter count T from its config, 4T (2T with ``--dtype
+  bfloat16`` or ``--teacher-dtype bfloat16``), divided by N under ``--fsdp``; resident throughout, LoRA or not. Its
+  forward runs before the update, without gradients, so only its weights count at the peak.
 * LoRA (``--lora.rank r``, ``common/lora.py``): the policy's base is frozen, in the trainer's weight dtype (4P, 2P
   with ``--dtype bfloat16``), with no gradients or AdamW state; its adapters, A = r x in and B = out x r per adapted
   linear layer, train in fp32 (16 bytes per adapter parameter). No reference loads: it is the policy with its
@@ -122,6 +125,7 @@ __all__ = [  # the planner's public names: scripts, tests and benchmarks import 
     "check_memory_plan",
     "critic_params",
     "format_plan",
+    "frozen_teacher",
     "gpu_gb",
     "head_input_bytes",
     "layer_bytes_per_token",
@@ -160,6 +164,20 @@ def trained_models(args) -> tuple[int, bool]:
     critic = hasattr(args, "critic_learning_rate")
     prm = hasattr(args, "prm_learning_rate")
     return 1 + critic + prm, prm or getattr(args, "kl_coef", 0.0) > 0
+
+
+def frozen_teacher(args) -> tuple[str, int, int] | None:
+    """opd.py's teacher (``--teacher``): (the model, its parameter count, its bytes per parameter), or None for the
+    other scripts. Its shape comes from a local config when there is one (a folder, the shipped 'tiny-teacher', or a
+    hub id of ``LOCAL_CONFIGS``), else from the hub id's config."""
+    teacher = getattr(args, "teacher", "")
+    if not teacher:
+        return None
+    from common.data import resolve_model_path
+
+    dtype = args.dtype if getattr(args, "teacher_dtype", "auto") == "auto" else args.teacher_dtype
+    path = local_config(teacher) or resolve_model_path(teacher)
+    return teacher, model_shape(path).params, 2 if dtype == "bfloat16" else 4
 
 
 def resolve_backend(args, on_gpu: bool) -> str:
@@ -245,6 +263,12 @@ def plan_memory(
     if buckets:
         components.append((f"DDP gradient buckets ({world} processes, each a replica)", buckets))
     components.append(("frozen reference", wbytes * p / shards * on_gpu if has_ref else 0.0))
+    teacher = frozen_teacher(args)
+    teacher_bytes = teacher[1] * teacher[2] / shards * on_gpu if teacher else 0.0
+    if teacher:
+        components.append(
+            (f"frozen teacher ({teacher[0]}, {teacher[1] / 1e9:.3f} B, {teacher[2]} B/param)", teacher_bytes)
+        )
     gathered_units = second_units = 0.0
     if fsdp:  # gathered units: the root kept from forward to backward, ~2 layers (prefetch); weights and gradients
         root = shape.vocab * shape.hidden * (1 if shape.tied else 2) + shape.hidden
@@ -299,7 +323,7 @@ def plan_memory(
         rollout_engine, update_engine = kv + sampler, sampler
     overhead = CUDA_OVERHEAD_GB * GB
     components.append(("CUDA context and workspaces", overhead))
-    resident = 3 * state + frozen + (wbytes * p if has_ref else 0.0) / shards * on_gpu + overhead
+    resident = 3 * state + frozen + (wbytes * p if has_ref else 0.0) / shards * on_gpu + teacher_bytes + overhead
     rollout_peak = resident + rollout_engine
     phases = update_phases(
         resident + buckets + update_engine,
