@@ -19,7 +19,7 @@ ENGINES = [HFEngine, VLLMEngine, VLLMServerEngine]
 USED = {"overlaps", "on_fault", "version", "generate", "sample_local", "all_ranks", "update_weights", "sleep", "wake"}
 # scripts whose loss takes π_old from the sampler (μ): their correction call only logs the mismatch, on the untouched
 # policy's first minibatch, with the trainer's current log-probs standing for π_old (docs/correction.md)
-METRICS_ONLY = {"dppo", "scalerl"}
+METRICS_ONLY = {"dppo", "scalerl", "opd"}
 
 
 def protocol_members() -> set[str]:

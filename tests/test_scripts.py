@@ -209,6 +209,8 @@ def test_script_trains_on_the_code_task(script, tmp_path):
     graded by hidden tests in the sandbox (the rung in force recorded in config.json), code metrics logged for training
     and evaluation, the weights moved."""
     flags = "--model tiny-code --dataset code-expr --total-steps 1 --max-new-tokens 40 --eval.max-problems 4"
+    if script == "opd":  # plumbing only: the shipped teacher speaks the arith tokenizer; the student is its own teacher
+        flags += " --teacher tiny-code --reward-coef 1"
     run(script, tmp_path, "--run-name", "c", *flags.split())
     rows = read_metrics(tmp_path / "c")
     train = [r for r in rows if "train/reward" in r]

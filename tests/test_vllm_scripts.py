@@ -71,7 +71,7 @@ def test_script_trains_through_vllm(runs, script):
     # rollout correction: 'auto' turns it on with the vLLM engine (scripts whose ratio is already against the sampler
     # resolve to none); the mismatch is logged either way, and the weights' statistics wherever weights apply
     mode = json.loads((out / script / "config.json").read_text())["correction"]["mode"]
-    assert mode == "token_truncate" or (mode == "none" and script in ("dppo", "scalerl")), mode
+    assert mode == "token_truncate" or (mode == "none" and script in ("dppo", "scalerl", "opd")), mode
     assert all("train/mismatch_kl_k3" in r for r in train)
     assert all(("train/is_ess" in r) == (mode != "none") for r in train)
     base = load_file(REPO / "common" / "tiny_model" / "model.safetensors")
