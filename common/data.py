@@ -14,6 +14,8 @@ The offline tasks (``arith``, ``arith-hard``; ``common/tasks.py``) need no netwo
 ``4+7-2=?`` with the worked solution ``4+7=11;11-2=9;\\boxed{9}``. Held-out splits are disjoint from train splits.
 ``code-expr`` (``common/tasks.py``; ``--dataset code-expr`` wants ``--model tiny-code``) is its code counterpart: a
 prompt such as ``Read a b c. Print a*b-c.``, a one-block Python solution, and hidden stdin/stdout tests as the gold.
+``arith-tool`` (``--dataset arith-tool`` wants ``--model tiny-tool`` and ``--tools.format python --tools.tool
+calculator``) is the tool task: products such as ``347*29=?`` that the model answers by calling the calculator.
 
 Hub datasets (need ``datasets`` and hub access or a warm HF cache; all scored with the ``math`` reward):
 
@@ -46,22 +48,27 @@ from typing import Callable
 
 from common.code_data import CODE_HUB_SOURCES, EURUS2_CODE_SOURCES, jsonl_code_row, load_code_hub
 from common.hub_data import HUB_SOURCES, load_hub
-from common.tasks import ARITH_SPECS, CODE_SPECS, Problem, load_arith, load_code
+from common.tasks import ARITH_SPECS, CODE_SPECS, TOOL_ARITH_SPECS, Problem, load_arith, load_code, load_tool_arith
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 TINY_MODEL_DIR = REPO_ROOT / "common" / "tiny_model"
 TINY_CODE_MODEL_DIR = REPO_ROOT / "common" / "tiny_code_model"  # the code-expr warm start (--model tiny-code)
+TINY_TOOL_MODEL_DIR = REPO_ROOT / "common" / "tiny_tool_model"  # the arith-tool warm start (--model tiny-tool)
 # algos/opd.py's teacher for the tiny default (--teacher tiny-teacher): the tiny model after 60 GRPO steps, shipped
 # with the command that built it in its README.md (a GRPO run is not bit-reproducible across CPUs)
 TINY_TEACHER_MODEL_DIR = REPO_ROOT / "common" / "tiny_teacher_model"
 
 
 def resolve_model_path(name_or_path: str) -> str:
-    """Map ``"tiny"`` (``"tiny-code"``) to the shipped offline (code) model folder; pass any other hub id or path
-    through."""
+    """Map ``"tiny"`` (``"tiny-code"``, ``"tiny-tool"``) to the shipped offline (code, tool) model folder; pass any
+    other hub id or path through."""
     if name_or_path == "tiny-teacher":  # opd.py's shipped teacher
         return str(TINY_TEACHER_MODEL_DIR)
-    shipped = {"tiny": (TINY_MODEL_DIR, ""), "tiny-code": (TINY_CODE_MODEL_DIR, " --task code-expr")}
+    shipped = {
+        "tiny": (TINY_MODEL_DIR, ""),
+        "tiny-code": (TINY_CODE_MODEL_DIR, " --task code-expr"),
+        "tiny-tool": (TINY_TOOL_MODEL_DIR, " --task arith-tool --sft-steps 1000"),
+    }
     if name_or_path in shipped:
         folder, flags = shipped[name_or_path]
         if not (folder / "config.json").exists():
@@ -210,6 +217,16 @@ DATASETS.update(
             loader=lambda split, name=name: load_code(name, split), reward_fn="code", default_template="chat"
         )
         for name in CODE_SPECS
+    }
+)
+# the offline tool task (products for the calculator): exact match on the last \boxed{}, which follows the tool's
+# output fence; its warm start is --model tiny-tool, run with --tools.format python --tools.tool calculator
+DATASETS.update(
+    {
+        name: DatasetInfo(
+            loader=lambda split, name=name: load_tool_arith(name, split), reward_fn="exact", default_template="chat"
+        )
+        for name in TOOL_ARITH_SPECS
     }
 )
 # Hub sets. eval_split is the dataset's own held-out split; the training-only sets (dapo17k,

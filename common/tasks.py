@@ -11,6 +11,14 @@ hidden stdin/stdout tests as JSON, graded by the ``code`` verifier (every proble
 warm start (``--model tiny-code``, ``scripts/build_tiny_model.py --task code-expr``) saw one token of the printed
 expression swapped in half the demonstrations (``corrupt_code_solution``), so RL has a habit to remove.
 
+``arith-tool`` is the tiny tool task: products such as ``347*29=?`` (3-digit times 2-digit), too large for a
+1M-parameter model to multiply in its head, trivial for the calculator tool (``--tools.format python --tools.tool
+calculator``). The worked solution calls it (``tool_arith_segments``): a python block ``347*29``, the output fence the
+tool loop appends, then ``\\boxed{10063}``. Its warm start (``--model tiny-tool``, ``scripts/build_tiny_model.py
+--task arith-tool``) saw a call in 40% of the demonstrations (about one call in seven of them malformed, ``347x29``,
+refused by the calculator and followed by a guess) and a direct answer in the rest (``sample_tool_demonstration``),
+so RL has a call rate to raise and a tool error rate to lower.
+
 The claims testbed (``benchmarks/suites/claims.toml``) adds two variants built so a paper's mechanism can act:
 
 * ``arith-pad``: the worked solutions restate the running total 0..``max_redundant`` times (``11=11;``) before the
@@ -296,3 +304,106 @@ def load_code(name: str, split: str) -> list[Problem]:
     if split not in ("train", "test"):
         raise ValueError(f"dataset {name!r} has splits 'train' and 'test', not {split!r}")
     return [dict(p) for p in _code_split(name, split)]
+
+
+# ----------------------------------------------------------------------------------------------
+# arith-tool: products too large to do in the head, easy with the calculator tool
+# ----------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ToolArithSpec:
+    """Shape of the products task that needs the calculator: ``left*right=?``."""
+
+    min_left: int = 100  # the first factor is drawn from min_left..max_left (3 digits)
+    max_left: int = 999
+    min_right: int = 10  # the second from min_right..max_right (2 digits)
+    max_right: int = 99
+
+
+TOOL_ARITH_SPECS = {
+    "arith-tool": ToolArithSpec(),  # the tiny tool task; its warm start is common/tiny_tool_model (--model tiny-tool)
+}
+TOOL_DEMONSTRATIONS = ("call", "malformed", "direct")
+
+
+def make_tool_arith_problem(rng: random.Random, spec: ToolArithSpec) -> Problem:
+    """One problem, e.g. prompt ``347*29=?``, answer ``10063``, and the solution that calls the calculator
+
+    ```python
+    347*29
+    ```
+    ```output
+    10063
+    ```
+    \\boxed{10063}
+
+    (``tool_arith_segments(problem, "call")`` joined; the output fence is what the tool loop appends for the call).
+    """
+    left = rng.randint(spec.min_left, spec.max_left)
+    right = rng.randint(spec.min_right, spec.max_right)
+    problem = {"prompt": f"{left}*{right}=?", "answer": str(left * right), "solution": ""}
+    problem["solution"] = "".join(text for text, _ in tool_arith_segments(problem, "call"))
+    return problem
+
+
+def tool_arith_segments(problem: Problem, kind: str) -> list[tuple[str, bool]]:
+    """A demonstration of ``kind`` as (text, is_observation) segments, in the order the tool loop produces them.
+
+    call       ```python\\n347*29\\n```\\n, then the observation ```output\\n10063\\n```\\n, then \\boxed{10063}
+    malformed  the call written with ``x`` for ``*`` (``347x29``, which the calculator refuses), the error
+               observation ```output\\nError: invalid expression\\n```\\n, then the true answer as a guess
+    direct     \\boxed{10063} alone: an answer from the head, which a 1M-parameter model mostly gets wrong
+
+    Each observation is ``format_python_observation(calculator(code))``: byte for byte the text the loop appends
+    after the model closes the block (``--tools.format python --tools.tool calculator``). The warm start encodes each
+    segment on its own, as the loop does (the sampled turn, then the observation), and leaves observations out of its
+    loss, as every script's loss mask does.
+    """
+    from common.tools import calculator, format_python_observation  # the tool itself, so the text cannot drift
+
+    if kind not in TOOL_DEMONSTRATIONS:
+        raise ValueError(f"unknown demonstration kind {kind!r}; choose one of {TOOL_DEMONSTRATIONS}")
+    answer = f"\\boxed{{{problem['answer']}}}"
+    if kind == "direct":
+        return [(answer, False)]
+    code = problem["prompt"].removesuffix("=?")
+    if kind == "malformed":
+        code = code.replace("*", "x")
+    return [(f"```python\n{code}\n```\n", False), (format_python_observation(calculator(code)), True), (answer, False)]
+
+
+def sample_tool_demonstration(
+    problem: Problem, rng: random.Random, call_prob: float, malformed_prob: float
+) -> list[tuple[str, bool]]:
+    """The warm start's demonstration: a call with probability ``call_prob`` (malformed with probability
+    ``malformed_prob`` among calls), otherwise a direct answer, so that the warm start calls the tool for some
+    problems and not for others and RL has a call rate and an error rate to move."""
+    if rng.random() >= call_prob:
+        return tool_arith_segments(problem, "direct")
+    return tool_arith_segments(problem, "malformed" if rng.random() < malformed_prob else "call")
+
+
+def make_tool_arith_problems(n: int, seed: int, spec: ToolArithSpec, exclude: set[str] | None = None) -> list[Problem]:
+    """``n`` distinct problems from a seeded stream, skipping any whose prompt is in ``exclude``."""
+    rng, out, seen = random.Random(seed), [], set(exclude or ())
+    while len(out) < n:
+        p = make_tool_arith_problem(rng, spec)
+        if p["prompt"] not in seen:
+            seen.add(p["prompt"])
+            out.append(p)
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def _tool_arith_split(name: str, split: str) -> tuple[Problem, ...]:
+    spec = TOOL_ARITH_SPECS[name]
+    test = make_tool_arith_problems(ARITH_TEST_SIZE, ARITH_TEST_SEED, spec)
+    if split == "test":
+        return tuple(test)
+    exclude = {p["prompt"] for p in test}
+    return tuple(make_tool_arith_problems(ARITH_TRAIN_SIZE, ARITH_TRAIN_SEED, spec, exclude=exclude))
+
+
+def load_tool_arith(name: str, split: str) -> list[Problem]:
+    if split not in ("train", "test"):
+        raise ValueError(f"dataset {name!r} has splits 'train' and 'test', not {split!r}")
+    return [dict(p) for p in _tool_arith_split(name, split)]
