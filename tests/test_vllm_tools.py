@@ -32,7 +32,6 @@ from common.vllm_launch import serve_command, start_server, stop_server  # noqa:
 from common.vllm_server import VLLMServerEngine  # noqa: E402
 
 pytestmark = pytest.mark.vllm
-TINY_TOOL = str(REPO / "common" / "tiny_tool_model")
 CONTEXT = 256  # the tiny model's positions
 CALCULATOR = ToolConfig(format="python", tool="calculator")
 TOOL_FLAGS = (
@@ -52,15 +51,6 @@ def launch(path: str, log_dir):
     command, env = serve_command(path, port, max_model_len=CONTEXT, dtype="float32", fp32_head=True)
     url = f"http://127.0.0.1:{port}"
     return start_server(command + ["--enforce-eager"], {**env, **ENV}, url, str(log_dir / "server.log")), url
-
-
-@pytest.fixture(scope="module")
-def tool_server(tmp_path_factory):
-    process, url = launch(TINY_TOOL, tmp_path_factory.mktemp("tool_server"))
-    try:
-        yield url
-    finally:
-        stop_server(process)
 
 
 @pytest.fixture(scope="module")
@@ -122,15 +112,17 @@ def test_hf_colocated_and_server_agree_on_multi_turn_ids_at_temperature_0(traine
         assert [s.calls for s in out[name][1]] == calls, name
 
 
-def test_grpo_with_the_calculator_against_the_server_sigkill_resume_is_exact(tool_server, tmp_path):
-    """--max-lag 2: the checkpoint holds a batch of multi-turn samples (observation masks, tool stats) sampled ahead
-    by older weights; the resumed run takes it from there and matches the uninterrupted run, metrics and weights."""
-    flags = (*TOOL_FLAGS, "--total-steps", "4", "--max-lag", "2", "--mixed-precision", "no")
-    full = _run(tmp_path, tool_server, "full", *flags)
+def test_grpo_with_the_calculator_against_the_server_sigkill_resume_is_exact(trained, trained_server, tmp_path):
+    """--max-lag 2, from the trained policy the module's server serves (one server start): the checkpoint holds a batch
+    of multi-turn samples (observation masks, tool stats) sampled ahead by older weights; the resumed run takes it from
+    there and matches the uninterrupted run, metrics and weights."""
+    model = ("--model", trained[0], "--learning-rate", "1e-4")
+    flags = (*TOOL_FLAGS, *model, "--total-steps", "4", "--max-lag", "2", "--mixed-precision", "no")
+    full = _run(tmp_path, trained_server, "full", *flags)
     assert full.returncode == 0, full.stderr[-3000:]
     rows = _train_rows(tmp_path / "full")
     assert [r["train/lag_max"] for r in rows] == [0, 1, 1, 1] and max(r["tools/call_rate"] for r in rows) > 0
-    cmd, env = _cmd(tmp_path, tool_server, "killed", *flags)
+    cmd, env = _cmd(tmp_path, trained_server, "killed", *flags)
     process = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
     try:
         metrics, deadline = tmp_path / "killed" / "metrics.jsonl", time.time() + 300
@@ -141,7 +133,7 @@ def test_grpo_with_the_calculator_against_the_server_sigkill_resume_is_exact(too
     finally:
         process.kill()
         process.wait()
-    resumed = _run(tmp_path, tool_server, "killed", *flags, "--resume")
+    resumed = _run(tmp_path, trained_server, "killed", *flags, "--resume")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     rows_resumed = _train_rows(tmp_path / "killed")
     assert [r["step"] for r in rows_resumed] == [1, 2, 3, 4]
