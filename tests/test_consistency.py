@@ -39,6 +39,7 @@ RATIO_MECHANISMS = {
     "dapo": "clip-higher",
     "dppo": "the trust region on the divergence to the rollout policy",
     "scalerl": "the capped importance weight on a lagged sampler",
+    "entropy_cov": "KL-Cov's |log r| penalty on the top-covariance tokens (zero gradient at r = 1)",
 }
 """Scripts whose named mechanism is a function of the ratio π_θ / π_old alone. At one optimiser step per rollout batch
 from an up-to-date sampler every ratio is 1 (old = logprobs.detach(); dppo.py and scalerl.py take π_old from the
