@@ -39,6 +39,7 @@ def test_tools_on_without_a_call_equal_the_single_turn_run(tmp_path):
 TOOL_TASK = ["--model", "tiny-tool", "--dataset", "arith-tool", *TOOLS, "--max-new-tokens", "40"]
 
 
+@pytest.mark.slow  # the vLLM tier runs the same check against a rollout server (tests/test_vllm_tools.py)
 def test_the_tool_task_sigkilled_at_lag_2_resumes_to_the_uninterrupted_run(tmp_path):
     """grpo on the tiny tool task (the warm start calls the calculator in about a third of its samples) at
     --max-lag 2: the checkpoint holds a batch of multi-turn samples sampled ahead by older weights (observation masks,
