@@ -10,12 +10,9 @@ from __future__ import annotations
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal, Protocol, TypeVar
+from typing import Literal, Protocol, TypeVar
 
 import torch
-
-if TYPE_CHECKING:
-    from common.tool_loop import ToolStats
 
 T = TypeVar("T")
 
@@ -53,6 +50,20 @@ class RolloutConfig:
     """vLLM: disable CUDA graphs (slower generation, faster start-up, less memory)"""
     logit_noise: float = 0.0
     """HF engine: std of Gaussian noise added to the sampler's logits, a deliberately mismatched sampler (0 = off)"""
+
+
+@dataclass
+class ToolStats:
+    """What common/tool_loop.py's loop did for one sample (``tool_metrics`` averages them)."""
+
+    calls: int = 0  # tool calls run
+    errors: int = 0  # calls whose observation has status "error" (a bad call, an exception, a refused expression)
+    timeouts: int = 0  # calls that ran past --tools.timeout-s
+    sandbox_errors: int = 0  # calls the sandbox itself failed (not the model's doing)
+    obs_tokens: int = 0  # observation tokens appended
+    turns: int = 1  # sampled turns (engine requests)
+    void_turns: int = 0  # turns that stopped on a tool stop string with no call
+    call_limited: bool = False  # ended on a call beyond --tools.max-calls, not run
 
 
 @dataclass

@@ -70,7 +70,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Literal
 
-from common.engine_base import Completion, Engine, prompt_seeds
+from common.engine_base import Completion, Engine, ToolStats, prompt_seeds
 from common.tools import (
     TOOLS,
     ToolCall,
@@ -125,20 +125,6 @@ class ToolConfig:
             raise ValueError("--tools.max-calls, --tools.max-obs-chars and --tools.max-total-tokens must be >= 0")
         if self.max_obs_tokens < 1 or self.workers < 1 or self.timeout_s <= 0:
             raise ValueError("--tools.max-obs-tokens and --tools.workers must be >= 1, --tools.timeout-s > 0")
-
-
-@dataclass
-class ToolStats:
-    """What the loop did for one sample (``tool_metrics`` averages them)."""
-
-    calls: int = 0  # tool calls run
-    errors: int = 0  # calls whose observation has status "error" (a bad call, an exception, a refused expression)
-    timeouts: int = 0  # calls that ran past --tools.timeout-s
-    sandbox_errors: int = 0  # calls the sandbox itself failed (not the model's doing)
-    obs_tokens: int = 0  # observation tokens appended
-    turns: int = 1  # sampled turns (engine requests)
-    void_turns: int = 0  # turns that stopped on a tool stop string with no call
-    call_limited: bool = False  # ended on a call beyond --tools.max-calls, not run
 
 
 def turn_seed(seed: int, sample: int, turn: int) -> int:
