@@ -219,6 +219,16 @@ DATASETS.update(
         for name in CODE_SPECS
     }
 )
+# the same problems under partial credit (the fraction of hidden tests passed, not all-or-nothing): the claims
+# testbed's code-reward comparison trains on <name>-partial and evaluates on <name> (all-pass)
+DATASETS.update(
+    {
+        f"{name}-partial": DatasetInfo(
+            loader=lambda split, name=name: load_code(name, split), reward_fn="code-partial", default_template="chat"
+        )
+        for name in CODE_SPECS
+    }
+)
 # the offline tool task (products for the calculator): exact match on the last \boxed{}, which follows the tool's
 # output fence; its warm start is --model tiny-tool, run with --tools.format python --tools.tool calculator
 DATASETS.update(

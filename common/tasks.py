@@ -135,10 +135,14 @@ class CodeSpec:
     max_constant: int = 9  # constants in the expression are drawn from 2..max_constant
     max_input: int = 9  # test inputs are drawn from -max_input..max_input
     num_tests: int = 10  # hidden stdin/stdout tests per problem
+    equal_tests: int = 0  # of those, the last ones read one value into every variable (a=b=c): the easy tests
 
 
 CODE_SPECS = {
     "code-expr": CodeSpec(),  # the tiny code task; its warm start is common/tiny_code_model (--model tiny-code)
+    # the claims testbed's test mix (claims4, code reward design): half the tests read one value into every
+    # variable, so a program that confuses two variables passes them; tiny-code's warm start fits it unchanged
+    "code-expr-eq": CodeSpec(equal_tests=5),
 }
 CODE_TEST_SIZE = 200  # held-out problems per code task
 CODE_TEST_SEED = 999
@@ -207,11 +211,17 @@ def _code_expr(rng: random.Random, names: str, spec: CodeSpec) -> str:
 
 
 def _code_tests(rng: random.Random, names: str, spec: CodeSpec) -> list[list[int]]:
-    """``spec.num_tests`` input rows: the first has one zero, the second is all negative, the rest uniform."""
+    """``spec.num_tests`` input rows: the first has one zero, the second is all negative, the rest uniform; the last
+    ``spec.equal_tests`` then read one uniform value into every variable (drawn after the others, so a spec without
+    them draws exactly the stream it always did)."""
     values = range(-spec.max_input, spec.max_input + 1)
     rows = [rng.choices(values, k=len(names)) for _ in range(spec.num_tests)]
     rows[0][rng.randrange(len(names))] = 0
     rows[1] = rng.choices(range(-spec.max_input, 0), k=len(names))
+    if not 0 <= spec.equal_tests <= spec.num_tests - 2:  # keep the zero row and the all-negative row
+        raise ValueError(f"equal_tests must be in 0..num_tests-2, got {spec.equal_tests} of {spec.num_tests}")
+    for i in range(spec.num_tests - spec.equal_tests, spec.num_tests):
+        rows[i] = [rng.choice(values)] * len(names)
     return rows
 
 
