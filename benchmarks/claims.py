@@ -33,9 +33,12 @@ Reductions of one run's rows (``steps = [lo, hi]`` bounds the steps used, inclus
     growth   mean over ``late`` minus mean over ``early`` (two step windows)
     first_reach  the first step whose value reaches ``target`` (a held-out accuracy; with equal samples per step in
              both arms, steps count samples). A run that never reaches it is censored at its last step, its
-             budget. Censoring never favours the claim: a censored treatment counts no earlier than any control
-             that got there, and a censored control counts earlier than it would have (the table gives how many
-             runs of each arm were censored)
+             budget. Censoring never favours the claim: a censored treatment counts no earlier than the control
+             of its seed, and a censored control counts earlier than it would have (the table gives how many
+             runs of each arm were censored). With ``compute = {treatment = [[w, a, b], ...], control = [...]}``
+             the value is instead the compute spent through that step, summed over steps 1..t of sum_k
+             w_k * a_k * b_k per step (each term a product of two logged metrics, e.g. a token count as
+             ``time/tokens_per_s`` x ``time/rollout_s``), each arm with its own terms (``compute_used``)
     asymptote    A of the compute fit below, per run; a run whose fit is not identified has no value, and a claim
              with any such run among its judging seeds is inconclusive, never a win
 
@@ -62,8 +65,9 @@ FIT_MIN_POINTS = 6  # evaluations after step 0 needed to attempt a fit (3 free p
 
 
 # ------------------------------------------------------------------------------------------------- reductions
-def reduce_run(rows: list[dict], metric: str, reduce: str, claim: dict) -> float | None:
-    """One run's number for ``metric`` (None when the run never logs it in the window)."""
+def reduce_run(rows: list[dict], metric: str, reduce: str, claim: dict, arm: str | None = None) -> float | None:
+    """One run's number for ``metric`` (None when the run never logs it in the window); ``arm`` picks the claim's
+    per-arm compute terms for ``first_reach`` in compute."""
 
     def window(lo_hi: list[int]) -> list[float]:
         lo, hi = lo_hi
@@ -80,7 +84,9 @@ def reduce_run(rows: list[dict], metric: str, reduce: str, claim: dict) -> float
         return statistics.mean(late) - statistics.mean(early) if early and late else None
     if reduce == "first_reach":
         reached = first_reach(rows, metric, claim["target"])
-        return None if reached is None else reached[0]
+        if reached is None or "compute" not in claim:
+            return None if reached is None else reached[0]
+        return compute_used(rows, claim["compute"][arm], reached[0])
     if reduce == "asymptote":
         compute, score, r0 = compute_curve(rows, metric)
         fit = fit_sigmoid(compute, score, r0) if r0 is not None else {"identified": False}
@@ -98,6 +104,16 @@ def first_reach(rows: list[dict], metric: str, target: float) -> tuple[int, bool
         return None
     hit = next((step for step, value in values if value >= target), None)
     return (hit, False) if hit is not None else (max(r["step"] for r in rows if "step" in r), True)
+
+
+def compute_used(rows: list[dict], terms: list[list], step: int) -> float:
+    """Compute spent in steps 1..``step``: per step sum_k w_k * a_k * b_k over ``terms`` = [[w, a, b], ...] (a and b
+    logged metrics); a step that logs a term's metrics counts once, however many rows it has."""
+    per_step = {}
+    for row in rows:
+        if 0 < row.get("step", 0) <= step and all(a in row and b in row for _, a, b in terms):
+            per_step[row["step"]] = sum(w * row[a] * row[b] for w, a, b in terms)
+    return sum(per_step.values())
 
 
 MIN_PAIRS = 2  # seeds with both arms' values: a standard error needs two
@@ -154,12 +170,22 @@ def noninferiority_test(treatment: dict[int, float], control: dict[int, float], 
     return out
 
 
-def gate_passes(claim: dict, runs: list[dict]) -> bool | None:
-    """Whether every run of the gated arms (``gate.arm``: both, the default, or one) reaches the claim's mechanism
-    gate (None: the claim has no gate)."""
+def gates(claim: dict) -> list[dict]:
+    """The claim's mechanism gates: ``gate`` is one table or a list of them, all of which must hold."""
     gate = claim.get("gate")
-    if not gate:
+    return [] if not gate else [gate] if isinstance(gate, dict) else list(gate)
+
+
+def gate_passes(claim: dict, runs: list[dict]) -> bool | None:
+    """Whether every run of the gated arms (``gate.arm``: both, the default, or one) reaches each of the claim's
+    mechanism gates (None: the claim has no gate)."""
+    if not gates(claim):
         return None
+    return all(one_gate_passes(claim, gate, runs) for gate in gates(claim))
+
+
+def one_gate_passes(claim: dict, gate: dict, runs: list[dict]) -> bool:
+    """Whether every run of one gate's arms lies within its bounds."""
     arm = gate.get("arm", "both")
     if arm not in ("both", "treatment", "control"):
         raise ValueError(f"claim {claim.get('id')!r}: gate arm must be both, treatment or control, not {arm!r}")
@@ -183,11 +209,16 @@ def judge(claim: dict, runs: list[dict]) -> dict:
             r["seed"]: value
             for r in runs
             if r["label"] == claim[arm]
-            and (value := reduce_run(r["rows"], claim["metric"], claim["reduce"], claim)) is not None
+            and (value := reduce_run(r["rows"], claim["metric"], claim["reduce"], claim, arm)) is not None
         }
     seeds = set(claim.get("seeds", []))
     if seeds:  # only the judging seeds count
         arms = {arm: {s: v for s, v in values.items() if s in seeds} for arm, values in arms.items()}
+    if claim["reduce"] == "first_reach":  # a censored treatment never counts earlier than its seed's control
+        for r in runs:
+            if r["label"] == claim["treatment"] and r["seed"] in arms["treatment"] and r["seed"] in arms["control"]:
+                if first_reach(r["rows"], claim["metric"], claim["target"])[1]:
+                    arms["treatment"][r["seed"]] = max(arms["treatment"][r["seed"]], arms["control"][r["seed"]])
     if claim.get("test", "superior") == "noninferior":
         gains = [
             reduce_run(r["rows"], claim["metric"], "final", claim) - base
@@ -230,19 +261,25 @@ def describe_test(claim: dict) -> str:
             f"growth: mean over steps {claim.get('late', ['?', '?'])[0]}-{claim.get('late', ['?', '?'])[1]} minus "
             f"mean over steps {claim.get('early', ['?', '?'])[0]}-{claim.get('early', ['?', '?'])[1]}"
         ),
-        "first_reach": f"first step at which it reaches {claim.get('target')} (never: censored at the last step)",
+        "first_reach": (
+            f"first step at which it reaches {claim.get('target')} (never: censored at the last step)"
+            if "compute" not in claim
+            else f"compute spent until it first reaches {claim.get('target')} (never: censored at the run's "
+            f"total), {compute_words(claim)}"
+        ),
         "asymptote": "the asymptote A of each run's compute fit (any unidentified fit: inconclusive)",
     }[claim["reduce"]]
     seeds = ", ".join(map(str, claim.get("seeds", []))) or "all"
-    gate = claim.get("gate")
-    if gate:
-        arm = gate.get("arm", "both")
+    described = []
+    for one in gates(claim):
+        arm = one.get("arm", "both")
         where = "every run" if arm == "both" else f"every {claim[arm]} run"
-        span = f" over steps {gate['steps'][0]}-{gate['steps'][1]}" if "steps" in gate else ""
-        bounds = " and ".join(f"{op} {gate[k]}" for k, op in (("min", ">="), ("max", "<=")) if k in gate)
-        gate = f"; gate: `{gate['metric']}` ({gate['reduce']}{span}) {bounds} in {where}"
-    else:
-        gate = ""
+        span = f" over steps {one['steps'][0]}-{one['steps'][1]}" if "steps" in one else ""
+        if one["reduce"] == "growth":
+            span = f" from steps {one['early'][0]}-{one['early'][1]} to {one['late'][0]}-{one['late'][1]}"
+        bounds = " and ".join(f"{op} {one[k]}" for k, op in (("min", ">="), ("max", "<=")) if k in one)
+        described.append(f"`{one['metric']}` ({one['reduce']}{span}) {bounds} in {where}")
+    gate = f"; gate: {' and '.join(described)}" if described else ""
     if claim.get("test", "superior") == "noninferior":
         return (
             f"`{claim['metric']}`, {how}; {claim['treatment']} not worse than {claim['control']} by the margin "
@@ -253,6 +290,14 @@ def describe_test(claim: dict) -> str:
     return (
         f"`{claim['metric']}`, {how}; {claim['treatment']} {relation} {claim['control']}, paired by seed; "
         f"smallest effect of interest {claim['min_effect']}; seeds {seeds}{gate}"
+    )
+
+
+def compute_words(claim: dict) -> str:
+    """The claim's per-arm compute terms in words: 'treatment: 1 x a x b + 3 x c x d; control: ...'."""
+    return "; ".join(
+        f"{claim[arm]}: " + " + ".join(f"{w:g} x `{a}` x `{b}`" for w, a, b in claim["compute"][arm])
+        for arm in ("treatment", "control")
     )
 
 

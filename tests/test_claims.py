@@ -12,6 +12,7 @@ from conftest import REPO, load_algo
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from benchmarks.claims import (
+    describe_test,
     first_reach,
     fit_sigmoid,
     judge,
@@ -269,6 +270,60 @@ def test_first_reach_censors_at_the_budget_and_censoring_never_favours_the_claim
     # a censored treatment counts at its budget, behind every control that got there
     runs[0] = run("t", 1, None)
     assert judge(claim, runs)["diffs"][0] == 60 - 100
+
+
+def test_first_reach_in_compute_counts_each_arms_own_terms_and_a_censored_treatment_never_wins():
+    # every step: 20 sampled tokens (10 tok/s x 2 s) and 40 trained tokens (5 tok/s x 8 s); the treatment pays
+    # 1 x 20 + 4 x 40 = 180 per step (a frozen teacher's forward on top of 3 for the update), the control 1 x 20 +
+    # 3 x 40 = 140
+    def run(label, seed, reach_step, last=4):
+        rows = [{"step": 0, "e": 0.1}]
+        for step in range(1, last + 1):
+            rows.append({"step": step, "tps": 10.0, "rs": 2.0, "ttps": 5.0, "ts": 8.0})
+            if step % 2 == 0:
+                rows.append({"step": step, "e": 0.9 if reach_step is not None and step >= reach_step else 0.1})
+        return {"label": label, "seed": seed, "rows": rows}
+
+    terms = {"treatment": [[1, "tps", "rs"], [4, "ttps", "ts"]], "control": [[1, "tps", "rs"], [3, "ttps", "ts"]]}
+    claim = {"treatment": "t", "control": "c", "metric": "e", "reduce": "first_reach", "target": 0.5}
+    claim |= {"direction": "lower", "min_effect": 100, "compute": terms}
+    assert reduce_run(run("t", 1, 2)["rows"], "e", "first_reach", claim, "treatment") == 2 * 180
+    assert reduce_run(run("t", 1, 2)["rows"], "e", "first_reach", claim, "control") == 2 * 140
+    # the treatment reaches at step 2 (360) on both seeds, the control at step 4 (560) and at step 2 (280)
+    runs = [run("t", 1, 2), run("t", 2, 2), run("c", 1, 4), run("c", 2, 2)]
+    result = judge(claim, runs)
+    assert result["diffs"] == [560 - 360, 280 - 360] and result["censored"] == {"treatment": 0, "control": 0}
+    # a treatment that never gets there counts at its total compute (4 x 180 = 720) ...
+    runs[0] = run("t", 1, None)
+    assert judge(claim, runs)["diffs"][0] == 560 - 720
+    # ... and never earlier than its seed's control, even when its budget was smaller (2 steps: 360 < 560)
+    runs[0] = run("t", 1, None, last=2)
+    assert judge(claim, runs)["diffs"][0] == 0
+    assert "compute spent until it first reaches 0.5" in describe_test(claim)
+    assert "t: 1 x `tps` x `rs` + 4 x `ttps` x `ts`; c: 1 x `tps` x `rs` + 3 x `ttps` x `ts`" in describe_test(claim)
+
+
+def test_a_list_of_gates_must_all_hold():
+    def run(label, seed, ent, cov):
+        rows = [{"step": s, "ent": ent(s), "cov": cov, "m": 1.0 if label == "a" else 0.0} for s in range(1, 61)]
+        return {"label": label, "seed": seed, "rows": rows}
+
+    claim = {"treatment": "a", "control": "b", "metric": "m", "reduce": "final", "direction": "higher"}
+    claim |= {"min_effect": 0.1}
+    # the control's entropy falls 0.08 -> 0.03 (growth -0.05), the treatment acts on 40 tokens a step
+    runs = [run("a", s, lambda t: 0.08, 40.0) for s in (1, 2)] + [
+        run("b", s, lambda t: 0.08 if t <= 10 else 0.03, 0.0) for s in (1, 2)
+    ]
+    falls = {"metric": "ent", "reduce": "growth", "early": [1, 10], "late": [31, 60], "max": -0.02, "arm": "control"}
+    acts = {"metric": "cov", "reduce": "mean", "steps": [31, 60], "min": 4, "arm": "treatment"}
+    assert judge(claim | {"gate": [falls, acts]}, runs)["verdict"] == "reproduced"
+    assert judge(claim | {"gate": [falls, acts | {"min": 41}]}, runs)["verdict"] == "not testable here"
+    assert judge(claim | {"gate": [falls | {"max": -0.06}, acts]}, runs)["verdict"] == "not testable here"
+    words = describe_test(claim | {"gate": [falls, acts]})
+    assert (
+        "gate: `ent` (growth from steps 1-10 to 31-60) <= -0.02 in every b run and `cov` (mean over steps 31-60)"
+        in (words)
+    )
 
 
 def test_an_unidentified_asymptote_fit_makes_the_claim_inconclusive():
