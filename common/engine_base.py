@@ -50,6 +50,8 @@ class RolloutConfig:
     """vLLM: disable CUDA graphs (slower generation, faster start-up, less memory)"""
     logit_noise: float = 0.0
     """HF engine: std of Gaussian noise added to the sampler's logits, a deliberately mismatched sampler (0 = off)"""
+    in_flight: bool = False
+    """vllm-server only: a weight push pauses generation and resumes the same requests, not waiting for them"""
 
 
 @dataclass
@@ -81,6 +83,9 @@ class Completion:
     # common/tool_loop.py, --tools.void-filter (SimpleTIR): True when the sample holds a void turn; its reward still
     # counts in its group, but pack_rollout leaves all its tokens out of the loss mask
     excluded: bool = False
+    # --rollout.in-flight: the policy version that sampled each token (weights may change mid-generation); None: the
+    # whole completion is ``version``'s. Observation tokens carry the version of the sampled token before them.
+    token_versions: list[int] | None = None
 
 
 class Engine(Protocol):

@@ -247,7 +247,8 @@ class HFEngine(InProcessEngine):
         the model's own last logits), and only where it changes anything (under autocast, or with a head not in fp32:
         an fp32 module outside autocast computes its own head in fp32 already). The decode steps pass the decision on.
         """
-        from common.logprobs import LOGIT_POSTPROCESSING
+        from common.head_precision import head_logits, resolve_head
+        from common.logprobs import LOGIT_POSTPROCESSING, head_reproduces
 
         model, prefill = self.model, fp32_head is None
         device_type = next(model.parameters()).device.type
@@ -270,16 +271,12 @@ class HFEngine(InProcessEngine):
             finally:
                 if hook is not None:
                     hook.remove()
-            if prefill and fp32_head:  # token_logprobs' check, under the same autocast: does the head alone reproduce?
-                ours = torch.nn.functional.linear(hidden[-1][:, -1:], head.weight, head.bias)
-                fp32_head = ours.shape == out.logits.shape and torch.allclose(
-                    ours.float(), out.logits.float(), rtol=1e-2, atol=1e-2
-                )
+            if prefill and fp32_head:  # token_logprobs' check (once per model): does the head alone reproduce?
+                fp32_head = head_reproduces(model, head, hidden[-1], out.logits)
         if not fp32_head:
             return out.logits[:, -1].float(), out.past_key_values, False
-        with torch.autocast(device_type, enabled=False):  # token_logprobs' fp32 head: fp32 hidden states and weights
-            bias = None if head.bias is None else head.bias.float()
-            logits = torch.nn.functional.linear(hidden[-1][:, -1].float(), head.weight.float(), bias)
+        # token_logprobs' fp32 head at the same precision (bf16x3 on CUDA, fp32 elsewhere; autocast off inside)
+        logits = head_logits(hidden[-1][:, -1], head.weight, resolve_head(True, device_type), head.bias)
         return logits, out.past_key_values, True
 
     def _stop_string_hit(
@@ -394,6 +391,11 @@ def make_engine(
     backend = cfg.backend
     if backend == "auto":
         backend = "vllm" if vllm_available() else "hf"
+    if cfg.in_flight and backend != "vllm-server":
+        raise SystemExit(
+            f"--rollout.in-flight pauses rollout servers mid-generation for weight pushes: it needs --rollout.backend "
+            f"vllm-server (this run's engine is {backend!r}, which generates in the trainer's process)"
+        )
     if backend == "hf":
         fp32_head = use_fp32_head(cfg, next(model.parameters()).device)
         return HFEngine(model, tokenizer, cfg.hf_max_batch, cfg.logit_noise, autocast=autocast, fp32_head=fp32_head)

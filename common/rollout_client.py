@@ -34,7 +34,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from http import client as http_client  # as a name: `http` is this module's request function
 from typing import Any
 
@@ -103,13 +103,16 @@ def http(url: str, path: str, payload: dict | None = None, timeout: float = 30.0
     raise AssertionError("unreachable")
 
 
-def reset_prefix_cache(url: str, timeout: float, retries: int = 0) -> None:
+def reset_prefix_cache(url: str, timeout: float, retries: int = 0, reset_running: bool = False) -> None:
     """POST ``/reset_prefix_cache`` to ``url`` after a weight push, or raise RolloutServerError. vLLM (0.32 on) answers
     ``{"success": false}`` while requests still hold KV blocks (its scheduler's ``reset_prefix_cache``) and says a
     caller may try again: asked up to ``retries`` more times, with backoff. An empty answer (older vLLM, which does
-    not check) is taken as done."""
+    not check) is taken as done. ``reset_running`` (in-flight pushes): the scheduler first preempts every running
+    request back to its waiting queue (``reset_running_requests=true``), so that their KV is recomputed from their
+    tokens with the new weights when they are scheduled again."""
+    path = "/reset_prefix_cache?reset_running_requests=true" if reset_running else "/reset_prefix_cache"
     for attempt in range(retries + 1):
-        answer = http(url, "/reset_prefix_cache", {}, timeout)
+        answer = http(url, path, {}, timeout)
         failed = answer is False or (isinstance(answer, dict) and answer.get("success", True) is False)
         if not failed:
             return
@@ -140,17 +143,24 @@ class ServerProgress:
 
 
 def stream_completion(
-    url: str, payload: dict, timeout_s: float, retries: int = 0, progress: ServerProgress | None = None
+    url: str,
+    payload: dict,
+    timeout_s: float,
+    retries: int = 0,
+    progress: ServerProgress | None = None,
+    tag: Callable[[], int] | None = None,
 ) -> list[dict]:
     """POST ``payload`` to ``url``'s ``/v1/completions`` as a stream; the choices merged from its chunks, in the shape
     of vLLM's non-streaming answer (``index``, ``token_ids``, ``logprobs.token_logprobs``, ``finish_reason``,
     ``stop_reason``; ``token_ids`` or ``logprobs`` None when a chunk lacked them). Transient failures are retried
-    with the same body; a server silent for ``timeout_s`` raises RolloutServerError naming the URL."""
+    with the same body; a server silent for ``timeout_s`` raises RolloutServerError naming the URL. ``tag``
+    (in-flight pushes): called as each chunk arrives; its value is recorded for each of the chunk's tokens in the
+    choice's ``token_versions``."""
     body = json.dumps({**payload, "stream": True}).encode()  # one body for every attempt: the same seeds
     progress = ServerProgress() if progress is None else progress
     for attempt in range(retries + 1):
         try:
-            return _stream_once(url, body, timeout_s, progress)
+            return _stream_once(url, body, timeout_s, progress, tag)
         except TransientServerError as error:
             if attempt == retries:
                 raise TransientServerError(f"{error} (after {attempt + 1} attempts)" if attempt else str(error))
@@ -159,7 +169,9 @@ def stream_completion(
     raise AssertionError("unreachable")
 
 
-def _stream_once(url: str, body: bytes, timeout_s: float, progress: ServerProgress) -> list[dict]:
+def _stream_once(
+    url: str, body: bytes, timeout_s: float, progress: ServerProgress, tag: Callable[[], int] | None = None
+) -> list[dict]:
     """One streamed request. A reader thread does the blocking reads and queues the lines; this thread waits on the
     queue and checks the server's progress, so a read never has to time out (a timed-out socket file cannot be read
     again) and a stall is cut by shutting the socket down under the reader."""
@@ -212,7 +224,7 @@ def _stream_once(url: str, body: bytes, timeout_s: float, progress: ServerProgre
                 raise kind(f"{route} failed: {reason or f'{type(item[1]).__name__}: {item[1]}'}") from item[1]
             if item[0] == "eof":
                 raise TransientServerError(f"{route} failed: the stream ended before [DONE]")
-            if _merge_event(route, item[1], choices):
+            if _merge_event(route, item[1], choices, None if tag is None else tag()):
                 return [choices[i] for i in sorted(choices)]
     finally:
         sock = connection.sock  # the reader may close it meanwhile: read it once
@@ -223,10 +235,11 @@ def _stream_once(url: str, body: bytes, timeout_s: float, progress: ServerProgre
                 pass
 
 
-def _merge_event(route: str, raw: bytes, choices: dict[int, dict]) -> bool:
+def _merge_event(route: str, raw: bytes, choices: dict[int, dict], version: int | None = None) -> bool:
     """Fold one line of the event stream into ``choices``; True at ``data: [DONE]``. vLLM's chunks carry the new
     tokens of one choice each (``completion_stream_generator``): their ids, their log-probs, and on the last one the
-    finish and stop reasons. An error event (``{"error": {..., "code": N}}``) raises, transient when N >= 500."""
+    finish and stop reasons. An error event (``{"error": {..., "code": N}}``) raises, transient when N >= 500.
+    ``version`` (not None): recorded for each of the chunk's tokens in the choice's ``token_versions``."""
     line = raw.decode(errors="replace").strip()
     if not line.startswith("data:"):
         return False  # the blank line between events, or a comment
@@ -255,6 +268,8 @@ def _merge_event(route: str, raw: bytes, choices: dict[int, dict]) -> bool:
             merged["token_ids"] = None  # without return_token_ids: the caller names the setting
         else:
             merged["token_ids"].extend(ids)
+            if version is not None:
+                merged.setdefault("token_versions", []).extend([version] * len(ids))
         if (ids and logprobs is None) or merged["logprobs"] is None:
             merged["logprobs"] = None
         else:

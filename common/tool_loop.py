@@ -209,6 +209,7 @@ class _Sample:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     mask: list[int] = field(default_factory=list)  # 1 = observation
+    versions: list[int] | None = None  # --rollout.in-flight: each token's policy version (observations: the last's)
     sampled: int = 0
     budget: int = 0  # tokens this turn may keep
     finish: str = "stop"
@@ -224,6 +225,7 @@ class _Sample:
         else:
             mask = self.mask if any(self.mask) else None
             out = Completion(list(self.token_ids), list(self.logprobs), self.finish, self.first.version, mask)
+            out.token_versions = list(self.versions) if self.versions is not None else None
         out.tool_stats, out.excluded = self.stats, void_filter and self.stats.void_turns > 0
         return out
 
@@ -273,6 +275,8 @@ class _Loop:
         s.token_ids += ids
         s.logprobs += logprobs
         s.mask += [0] * len(ids)
+        if c.token_versions is not None:  # in-flight weight updates: tokens of one turn may span pushes
+            s.versions = (s.versions or []) + list(c.token_versions[: len(ids)])
         s.sampled += len(ids)
         s.stats.turns += 1
         if finish != "stop":
@@ -333,6 +337,8 @@ class _Loop:
             return
         s.logprobs += [0.0] * len(ids)
         s.mask += [1] * len(ids)
+        if s.versions is not None:
+            s.versions += s.versions[-1:] * len(ids)
         s.stats.obs_tokens += len(ids)
 
     def frame(self, result: str, turn_ended: bool) -> str:

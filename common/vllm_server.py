@@ -46,6 +46,7 @@ import os
 import secrets
 import shutil
 import tempfile
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
@@ -62,6 +63,8 @@ from common.rollout_client import (
     stream_completion,
 )
 from common.weight_export import export_metadata, export_weights, exported_module
+
+QUIET_S = 0.05  # in-flight pushes: how long a paused server's streams stay silent before tokens are tagged anew
 
 
 def parse_urls(urls: str) -> list[str]:
@@ -201,6 +204,11 @@ class VLLMServerEngine:
         # the Bookkeeper's: checkpoint the last completed step (its argument: whether this step's update is done)
         self.on_fault: Callable[[bool], None] | None = None
         self.nccl_senders: dict[str, object] = {}
+        # --rollout.in-flight: pushes pause generation instead of waiting for it (update_weights_in_flight); each
+        # streamed token is tagged with token_version, the policy version the trainer last set (common/async_rollout)
+        self.in_flight, self.token_version = cfg.in_flight, 0
+        if self.in_flight:
+            self.all_ranks(self._resume_servers, "the in-flight start-up", after_update=True)
         self.update_weights(model)  # the trainer's weights may differ from model_path (resume, dtype casts)
 
     @property
@@ -233,33 +241,42 @@ class VLLMServerEngine:
         seed: int | list[int],
         stop: Sequence[str] = (),
         version: str | None = None,
+        on_group: Callable[[int, list[Completion]], None] | None = None,
     ) -> list[Completion]:
         """``generate`` on this process alone, with no collective, raising ``RolloutServerError`` on a failure: safe
         on a background thread (``common/async_rollout.py``), whose caller then agrees on failures with
-        ``all_ranks``. ``version``: the weight version the servers must serve (the latest push)."""
+        ``all_ranks``. ``version``: the weight version the servers must serve (the latest push). ``on_group(i,
+        completions)``: called as prompt i's group finishes (in-flight checkpoints keep the finished groups)."""
         seeds = prompt_seeds(seed, len(prompt_ids))
         greedy, version = temperature <= 0, version or self.version
         # contiguous shares of whole prompts (a prompt's group stays on one server)
         share = -(-len(prompt_ids) // len(self.urls)) if prompt_ids else 1
         jobs = [(self.urls[i // share], ids, s) for i, (ids, s) in enumerate(zip(prompt_ids, seeds))]
 
-        def request(job) -> list[Completion]:
-            url, ids, prompt_seed = job
+        def request(i: int) -> list[Completion]:
+            url, ids, prompt_seed = jobs[i]
             payload = self.request_payload(url, ids, prompt_seed, n, max_new_tokens, temperature, top_p, stop)
             # streamed: the timeout bounds the server's silence, not the group's generation; retried with this body
-            choices = stream_completion(url, payload, self.timeout, self.retries, self.progress)
+            tag = (lambda: self.token_version) if self.in_flight else None  # read as each chunk arrives
+            choices = stream_completion(url, payload, self.timeout, self.retries, self.progress, tag)
             choices = sorted(choices, key=lambda c: c["index"])
             samples = [self._to_completion(url, c, stop) for c in choices]
             if greedy:  # one sample, copied: vLLM rejects n > 1 with greedy sampling
-                return [Completion(list(c.token_ids), list(c.logprobs), c.finish_reason) for c in samples * n]
+                samples = [
+                    Completion(list(c.token_ids), list(c.logprobs), c.finish_reason, token_versions=c.token_versions)
+                    for c in samples * n
+                ]
+            if on_group is not None and len(samples) == n:
+                on_group(i, samples)
             return samples
 
         for url in self.urls:  # the weights this rollout samples from are the ones just pushed (a read: retried)
             served = http(url, "/weight_info", timeout=self.timeout, retries=self.retries).get("weight_version")
-            if served != version:
+            # in flight, a push may land between the request and this check: any of this run's versions will do
+            if served != version and not (self.in_flight and str(served).startswith(f"{self.nonce}-")):
                 raise RolloutServerError(f"{url} serves weight version {served!r}, expected {version!r}")
         with ThreadPoolExecutor(max_workers=max(1, min(64, len(jobs)))) as pool:
-            groups = list(pool.map(request, jobs))
+            groups = list(pool.map(request, range(len(jobs))))
         if short := [jobs[i][0] for i, group in enumerate(groups) if len(group) != n]:
             raise RolloutServerError(f"{short[0]} returned a group of other than {n} samples")
         return [c for group in groups for c in group]
@@ -311,7 +328,15 @@ class VLLMServerEngine:
         stopped = finish == "stop"
         if stopped and not (token_ids and (token_ids[-1] in self.stop_ids or choice.get("stop_reason") in stop)):
             raise RolloutServerError(f"{url} stopped without a stop id or stop string at the end")
-        return Completion(token_ids=list(token_ids), logprobs=[float(x) for x in logprobs], finish_reason=finish)
+        versions = choice.get("token_versions")
+        if self.in_flight and (versions is None or len(versions) != len(token_ids)):
+            raise RolloutServerError(f"{url}: a streamed choice's tokens were not all tagged with a weight version")
+        return Completion(
+            token_ids=list(token_ids),
+            logprobs=[float(x) for x in logprobs],
+            finish_reason=finish,
+            token_versions=list(versions) if self.in_flight else None,
+        )
 
     # ------------------------------------------------------------------------------------------------- weights
     @torch.no_grad()
@@ -340,6 +365,63 @@ class VLLMServerEngine:
 
         self.all_ranks(push, "the weight push", after_update=True)
         self.all_ranks(check, "the weight push", after_update=True)
+
+    @torch.no_grad()
+    def update_weights_in_flight(self, model: torch.nn.Module, version: int) -> None:
+        """``--rollout.in-flight``: push ``model`` without waiting for the generations in flight. Every server is
+        paused with ``mode=keep`` (running requests freeze between two decode steps, their streams stay open), the
+        weights go over as in ``update_weights``, every running request is preempted so that its KV cache is
+        recomputed with the new weights (``reset_prefix_cache(reset_running=True)``: each token's log-prob is then one
+        version's over its whole prefix), tokens streamed from then on are tagged ``version``, and the servers resume
+        the same requests. Call on every rank."""
+        self.pushes += 1
+        self.all_ranks(lambda: self._post_all("/pause?mode=keep"), "the in-flight pause", after_update=True)
+        # tokens sampled before the pause may still be on their way (engine -> API server -> stream): they belong to
+        # the outgoing version, so wait until this rank's streams have been silent a moment before tagging anew
+        paused_at = time.monotonic()
+        for url in self.urls:
+            while self.progress.idle_s(url, paused_at) < QUIET_S and time.monotonic() - paused_at < 10 * QUIET_S:
+                time.sleep(QUIET_S / 5)
+        shm_tensors = self._gather_for_shm(model) if "shm" in self.backends.values() else None
+
+        def push() -> None:
+            for url in self.urls:
+                if self.backends[url] == "shm":
+                    if self.rank == 0:
+                        self._push_shm(url, shm_tensors)
+                else:
+                    self._push_nccl(url, model)
+            if self.rank == 0:
+                for url in self.urls:  # preempt the frozen requests: their KV came from the old weights
+                    reset_prefix_cache(url, self.timeout, self.retries, reset_running=True)
+
+        def check() -> None:
+            for url in self.urls:
+                served = http(url, "/weight_info", timeout=self.timeout, retries=self.retries).get("weight_version")
+                if served != self.version:
+                    raise RolloutServerError(f"{url} serves weight version {served!r} after the push of {self.version}")
+
+        self.all_ranks(push, "the weight push", after_update=True)
+        self.token_version = version  # every rank, before any server resumes (the check below is the barrier)
+        self.all_ranks(check, "the weight push", after_update=True)
+        self.all_ranks(self._resume_servers, "the in-flight resume", after_update=True)
+
+    def _post_all(self, path: str) -> None:
+        """POST ``path`` to every server (rank 0 only; the others wait in ``all_ranks``); never retried."""
+        if self.rank == 0:
+            for url in self.urls:
+                http(url, path, {}, self.timeout)
+
+    def _resume_servers(self) -> None:
+        """``/resume`` every server: after an in-flight push, and at start-up (a run killed mid-push leaves its servers
+        paused). A server without the route (no ``VLLM_SERVER_DEV_MODE``) is named."""
+        try:
+            self._post_all("/resume")
+        except RolloutServerError as error:
+            raise RolloutServerError(
+                f"{error}: --rollout.in-flight needs the servers' /pause and /resume routes (vLLM >= 0.32 with "
+                "VLLM_SERVER_DEV_MODE=1, as scripts/serve_rollout.py starts them)"
+            ) from None
 
     def server_dtype(self, url: str) -> torch.dtype:
         """The dtype ``url`` holds its weights in (its ``--dtype``, from ``/server_info``): what a push sends."""
