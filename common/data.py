@@ -57,6 +57,8 @@ TINY_TOOL_MODEL_DIR = REPO_ROOT / "common" / "tiny_tool_model"  # the arith-tool
 # algos/opd.py's teacher for the tiny default (--teacher tiny-teacher): the tiny model after 60 GRPO steps, shipped
 # with the command that built it in its README.md (a GRPO run is not bit-reproducible across CPUs)
 TINY_TEACHER_MODEL_DIR = REPO_ROOT / "common" / "tiny_teacher_model"
+# the shipped offline policies (--model): CPU-sized, trained at the tiny default learning rate
+SHIPPED_MODELS = ("tiny", "tiny-code", "tiny-tool")
 
 
 def resolve_model_path(name_or_path: str) -> str:

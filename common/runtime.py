@@ -29,7 +29,15 @@ from accelerate import Accelerator, InitProcessGroupKwargs
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from common.correction import resolve_correction
-from common.data import STOP_STRINGS, DatasetInfo, dataset_info, format_prompt, load_problems, resolve_model_path
+from common.data import (
+    SHIPPED_MODELS,
+    STOP_STRINGS,
+    DatasetInfo,
+    dataset_info,
+    format_prompt,
+    load_problems,
+    resolve_model_path,
+)
 from common.evaluate import EvalConfig
 from common.lora import AdapterDisabled, LoraConfig, apply_lora, check_lora, is_lora
 from common.memory import LOCAL_CONFIGS, check_memory_plan, local_config
@@ -123,7 +131,7 @@ def start_run(args, own_correction: str = "") -> Run:
     against the sampler's log-probs itself; empty when it does not), so the LoRA checks see the run as it will be.
     """
     if args.learning_rate is None:
-        if args.model not in ("tiny", "tiny-code", "tiny-tool"):
+        if args.model not in SHIPPED_MODELS:
             raise SystemExit(
                 "--learning-rate is required for a model other than the shipped 'tiny', 'tiny-code' and 'tiny-tool' "
                 "(the tiny default 1e-4 would wreck a 1.5B model; papers use ~1e-6)"
@@ -276,9 +284,7 @@ def check_device(args) -> bool:
         return True
     gpu_vllm = importlib.util.find_spec("vllm") is not None and not _is_vllm_cpu_build()
     gpu_stack = torch.version.cuda is not None or gpu_vllm
-    if args.device == "cuda" or (
-        gpu_stack and (args.model not in ("tiny", "tiny-code") or args.rollout.backend == "vllm")
-    ):
+    if args.device == "cuda" or (gpu_stack and (args.model not in SHIPPED_MODELS or args.rollout.backend == "vllm")):
         raise SystemExit(
             f"no usable CUDA device (torch {torch.__version__}, built for CUDA {torch.version.cuda}; "
             "torch.cuda.is_available() is False). vLLM 0.33's wheels and torch 2.14 from PyPI are CUDA 13 builds and "

@@ -19,6 +19,8 @@ import pytest
 import tyro
 from conftest import REPO, load_algo
 
+from common.data import SHIPPED_MODELS
+
 SCRIPTS = sorted(p.stem for p in (REPO / "algos").glob("*.py"))
 DOC_FILES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 METRICS_DOC = REPO / "docs" / "metrics.md"
@@ -283,7 +285,7 @@ def test_processes_take_num_processes_over_the_config_files_wherever_it_stands()
 
 
 def gpu_run(command: str):
-    """(Args, processes) of a command that trains on a GPU (a model other than 'tiny', not --device cpu), else None."""
+    """(Args, processes) of a command that trains on a GPU (not a shipped tiny model, not --device cpu), else None."""
     tokens = shlex.split(command, comments=True)
     if not tokens or re.search(r"<[^<>]+>", shlex.join(tokens)):
         return None
@@ -291,7 +293,7 @@ def gpu_run(command: str):
     if found is None or found[0].__module__ == "common.evaluate":
         return None
     args = tyro.cli(found[0], args=found[1])
-    return (args, processes(tokens)) if args.model not in ("tiny", "tiny-code") and args.device != "cpu" else None
+    return (args, processes(tokens)) if args.model not in SHIPPED_MODELS and args.device != "cpu" else None
 
 
 def check_planner_note(note: str | None, command: str, where: str) -> bool:
