@@ -149,14 +149,16 @@ def correction_weights(
     mask = mask.float()
     tokens = mask.sum().clamp(min=1)
     log_ratio = ((trainer_logprobs - sampler_logprobs) * mask).detach().float()
-    metrics = {
-        "mismatch_kl_k1": (-log_ratio * mask).sum().item() / tokens.item(),
-        "mismatch_kl_k3": ((torch.expm1(log_ratio) - log_ratio) * mask).sum().item() / tokens.item(),
-        "log_ratio_abs_mean": (log_ratio.abs() * mask).sum().item() / tokens.item(),
-        "log_ratio_abs_max": log_ratio.abs().max().item() if mask.any() else 0.0,
+    # every statistic is read back in one device sync (``_read``), not one per ``.item()``
+    sums = {
+        "mismatch_kl_k1": (-log_ratio * mask).sum(),
+        "mismatch_kl_k3": ((torch.expm1(log_ratio) - log_ratio) * mask).sum(),
+        "log_ratio_abs_mean": (log_ratio.abs() * mask).sum(),
     }
+    # the largest |log ratio| over the mask's tokens (0 without any: log_ratio is 0 off the mask)
+    largest = torch.where(mask.bool(), log_ratio.abs(), 0.0).amax() if mask.numel() else mask.new_zeros(())
     if cfg.mode == "none":
-        return None, metrics
+        return None, _read(sums, tokens, largest)
     level, kind = cfg.mode.split("_")
     if level == "token":
         units, unit_mask = log_ratio, mask  # one weight per token
@@ -172,7 +174,22 @@ def correction_weights(
         clipped = ~inside
     weight = weight * unit_mask
     count = unit_mask.sum().clamp(min=1)
-    metrics["is_ess"] = (weight.sum() ** 2 / (count * (weight**2).sum()).clamp(min=1e-30)).item()
-    metrics["is_clipped_frac"] = ((clipped.float() * unit_mask).sum() / count).item()
+    extra = {
+        "is_ess": weight.sum() ** 2 / (count * (weight**2).sum()).clamp(min=1e-30),
+        "is_clipped_frac": (clipped.float() * unit_mask).sum() / count,
+    }
     weights = weight if level == "token" else weight.unsqueeze(-1) * mask
-    return weights.detach(), metrics
+    return weights.detach(), _read(sums, tokens, largest, extra)
+
+
+def _read(
+    sums: dict[str, torch.Tensor], tokens: torch.Tensor, largest: torch.Tensor, extra: dict | None = None
+) -> dict[str, float]:
+    """The metrics as floats, from one host transfer: each sum / the token count (the division in Python, as a
+    per-statistic ``.item()`` gave it), the largest |log ratio| as ``log_ratio_abs_max``, and ``extra`` as they are."""
+    extra = extra or {}
+    values = torch.stack([*sums.values(), tokens, largest, *extra.values()]).tolist()
+    count = values[len(sums)]
+    metrics = {name: value / count for name, value in zip(sums, values)}
+    metrics["log_ratio_abs_max"] = values[len(sums) + 1]
+    return metrics | dict(zip(extra, values[len(sums) + 2 :]))

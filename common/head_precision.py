@@ -27,8 +27,12 @@ bf16 parts are computed once per weight version (``weight._version``: an optimis
 chunk of a forward pass and by its recomputation: one (bf16x3: two) extra V x H bf16 copies held, ~0.47 GB each for
 Qwen2.5-1.5B's head.
 
-Nothing here is wired into ``common.logprobs`` yet: the trainer's head must match what the sampler computes
-(``use_fp32_head`` in common/engine_base.py), so the trainer changes only together with vLLM's head.
+Wired into ``common.logprobs.token_logprobs`` and the HF engine's decode (``common/rollout.py``) through
+``resolve_head``: ``--rollout.fp32-lm-head`` on (``use_fp32_head``) is ``FP32_HEAD[device type]``, bf16x3 on CUDA
+(tensor cores, within ~1e-5 nats of fp64) and a true fp32 matmul elsewhere (the CPU: exact, and the tiny default's
+metrics unchanged); off is the model's own head in the caller's autocast dtype (bf16 logits on CUDA). The CUDA
+default stays off on both sides (the trainer's head matches what the sampler computes; vLLM's fp32 head on CUDA is
+bf16-fp32-out, ``torch.mm(bf16, bf16, out_dtype=float32)``: docs/correction.md, "Which LM head").
 """
 
 from __future__ import annotations
@@ -39,7 +43,23 @@ import weakref
 import torch
 
 PRECISIONS = ("fp32", "bf16x3", "tf32", "bf16-fp32-out", "bf16")
+# the precision of an fp32 head (--rollout.fp32-lm-head on) by device type: tensor cores on CUDA, a real fp32 matmul
+# elsewhere (any other device type: fp32)
+FP32_HEAD = {"cuda": "bf16x3"}
 _parts_cache: dict = {}  # the last weight's bf16 parts: {"weight": weakref, "version": int, "split": bool, "parts"}
+
+
+def resolve_head(fp32_head: bool | str, device_type: str) -> str | None:
+    """The head's precision for a ``fp32_head`` setting on ``device_type``: True is ``FP32_HEAD``'s (bf16x3 on CUDA,
+    fp32 elsewhere), a name of ``PRECISIONS`` is itself, False is None (the model's own head in the caller's
+    autocast dtype)."""
+    if fp32_head is False:
+        return None
+    if fp32_head is True:
+        return FP32_HEAD.get(device_type, "fp32")
+    if fp32_head not in PRECISIONS:
+        raise ValueError(f"unknown head precision {fp32_head!r}; one of {PRECISIONS}")
+    return fp32_head
 
 
 def mm_fp32_out(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -132,9 +152,11 @@ def head_logits(
             logits = torch.nn.functional.linear(hidden.to(torch.bfloat16), weight.to(torch.bfloat16))
         elif precision == "tf32" and hidden.device.type != "cuda":  # no TF32 here: its operand rounding, then fp32
             logits = torch.nn.functional.linear(round_tf32(hidden), round_tf32(weight))
-        else:
+        else:  # the bias inside the matmul, as the head's own fp32 path always did (bit for bit)
             with _tf32_matmuls() if precision == "tf32" else contextlib.nullcontext():
-                logits = torch.nn.functional.linear(hidden.float(), weight.float())
+                return torch.nn.functional.linear(
+                    hidden.float(), weight.float(), None if bias is None else bias.float()
+                )
         return logits if bias is None else logits + bias.to(logits.dtype)
 
 

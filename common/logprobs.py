@@ -11,10 +11,13 @@ is ever kept.
 from __future__ import annotations
 
 import functools
+import weakref
 
 import torch
 import torch.utils.checkpoint
 
+from common.attention import VARLEN
+from common.head_precision import head_logprobs, resolve_head
 from common.packing import micro_batches, model_layout
 from common.sharding import reshard
 from common.weight_export import unwrap_model
@@ -22,6 +25,10 @@ from common.weight_export import unwrap_model
 LOGPROB_CHUNK = 1024  # completion tokens per LM-head + log-softmax chunk in token_logprobs (any number of rows)
 # config fields (of the text config) through which an architecture post-processes its logits after the LM head
 LOGIT_POSTPROCESSING = ("final_logit_softcapping", "logit_scale", "logits_scaling")
+# per model (the unwrapped module): whether its LM head alone reproduces its own last logits, with the head's hooks
+# when checked. Checked on the model's first forward here (again if the head's hooks change): it is a property of
+# the architecture, and the check is a device sync
+_HEAD_REPRODUCES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def token_logprobs(
@@ -32,7 +39,7 @@ def token_logprobs(
     temperature: float,
     with_entropy: bool = False,
     chunk_size: int = LOGPROB_CHUNK,
-    fp32_head: bool = True,
+    fp32_head: bool | str = True,
     packed: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token log-probs (B, T) of each row's last ``completion_width`` tokens: fp32 log-softmax of logits / T.
@@ -46,16 +53,20 @@ def token_logprobs(
     ``packed``: the rows run as one flat padding-free sequence (``common.packing.model_layout``), else as padded rows
     cut to the columns some row attends to (a micro-batch of short rows pays for its own longest row). The result is
     the same (B, T) layout either way, 0 where a row has no completion token.
-    ``fp32_head``: the LM head's matmul runs in fp32 (fp32 hidden states and weights, autocast off) even when the
-    body runs under bf16 autocast; off, it runs in the caller's autocast dtype. A bf16 head is the main source of
-    the sampler/trainer log-prob gap (MiniMax-M1 §3.3, ScaleRL); the scripts set it from ``RolloutConfig.fp32_lm_head``,
-    as vLLM's.
+    ``fp32_head``: the LM head runs at fp32 accuracy (autocast off) even when the body runs under bf16 autocast:
+    bf16x3 on tensor cores on CUDA (three bf16 GEMMs with fp32 output, ~1e-5 nats from fp64), a plain fp32 matmul
+    elsewhere (``common.head_precision.resolve_head``); off, it runs in the caller's autocast dtype; a name of
+    ``common.head_precision.PRECISIONS`` picks that precision (benchmarks). A bf16 head is the main source of the
+    sampler/trainer log-prob gap (MiniMax-M1 §3.3, ScaleRL); the scripts set it from ``RolloutConfig.fp32_lm_head``,
+    as vLLM's. The entropy comes from the same pass.
     Architectures that post-process logits (softcapping, logit scales: ``LOGIT_POSTPROCESSING``, or any model whose
     head alone does not reproduce its own last-position logits) use the model's own logits instead, and then keep
     them for the backward pass. ``with_entropy`` adds the detached per-token entropy of the same distribution.
     """
-    layout = model_layout(input_ids, attention_mask, completion_width, packed)
     inner = unwrap_model(model)
+    # a varlen kernel (common/attention.py) runs padded rows as one packed row: causal, no mask, the same (B, T)
+    packed = packed or getattr(inner.config, "_attn_implementation", None) == VARLEN
+    layout = model_layout(input_ids, attention_mask, completion_width, packed)
 
     def from_own_logits() -> tuple[torch.Tensor, torch.Tensor | None]:  # the model's own (post-processed) logits
         columns, place = layout.source[1].unique(return_inverse=True)  # logits only where a completion token is next
@@ -75,16 +86,35 @@ def token_logprobs(
     finally:
         hook.remove()
     head = inner.get_output_embeddings()
-    with torch.no_grad():  # the head alone must reproduce the model's own last logits, or the model post-processes them
-        ours = torch.nn.functional.linear(hidden[-1][:, -1:], head.weight, head.bias)
-        head_reproduces = ours.shape == last_logits.shape and torch.allclose(
-            ours.float(), last_logits.float(), rtol=1e-2, atol=1e-2
-        )
-    if not head_reproduces:
+    if not head_reproduces(inner, head, hidden[-1], last_logits):
         return from_own_logits()
-    head_fn = functools.partial(_logprobs_from_hidden, weight=head.weight, bias=head.bias, fp32_head=fp32_head)
+    device_type = input_ids.device.type
+    if fp32_head is True and not torch.is_autocast_enabled(device_type) and head.weight.dtype == torch.float32:
+        precision = "fp32"  # an fp32 model outside autocast: its own head is fp32 already (the HF engine's as well)
+    else:
+        precision = resolve_head(fp32_head, device_type)
+    head_fn = functools.partial(_logprobs_from_hidden, weight=head.weight, bias=head.bias, precision=precision)
     selected = hidden[-1][layout.source]  # (M, hidden): the positions that predict a completion token
     return _scattered(_chunked(head_fn, selected, layout.token_ids, temperature, with_entropy, chunk_size), layout)
+
+
+def head_reproduces(
+    inner: torch.nn.Module, head: torch.nn.Module, hidden: torch.Tensor, last_logits: torch.Tensor
+) -> bool:
+    """Whether ``head`` alone, on the decoder's output ``hidden``, reproduces the model's own last logits (else the
+    model post-processes them): checked on the first call for ``inner`` and remembered (``_HEAD_REPRODUCES``), so the
+    per-micro-batch forward pays no device sync for it."""
+    # checked again if the head gains or loses a hook (a hook may post-process the logits)
+    hooks = (id(head), tuple(head._forward_hooks), tuple(head._forward_pre_hooks))
+    known = _HEAD_REPRODUCES.get(inner)
+    if known is None or known[0] != hooks:
+        with torch.no_grad():
+            ours = torch.nn.functional.linear(hidden[:, -1:], head.weight, head.bias)
+            same = ours.shape == last_logits.shape and torch.allclose(
+                ours.float(), last_logits.float(), rtol=1e-2, atol=1e-2
+            )
+        known = _HEAD_REPRODUCES[inner] = (hooks, same)
+    return known[1]
 
 
 def token_logprobs_batched(
@@ -94,7 +124,7 @@ def token_logprobs_batched(
     completion_width: int,
     temperature: float,
     micro_batch_size: int,
-    fp32_head: bool = True,
+    fp32_head: bool | str = True,
     micro_batch_tokens: int = 0,
 ) -> torch.Tensor:
     """``token_logprobs`` over a whole batch without gradients (old, reference and PRM log-probs). Returns (B, T) in
@@ -153,13 +183,13 @@ def _logprobs_from_hidden(
     with_entropy: bool,
     weight: torch.Tensor,
     bias: torch.Tensor | None,
-    fp32_head: bool,
+    precision: str | None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    if fp32_head:
-        with torch.autocast(hidden.device.type, enabled=False):
-            logits = torch.nn.functional.linear(hidden.float(), weight.float(), None if bias is None else bias.float())
-    else:
-        logits = torch.nn.functional.linear(hidden, weight, bias)
+    """One chunk's log-probs (and entropy) from the decoder's output: the head at ``precision``
+    (``common.head_precision``), or None: the model's own head in the caller's autocast dtype."""
+    if precision is not None:
+        return head_logprobs(hidden, weight, bias, targets, temperature, precision, with_entropy)
+    logits = torch.nn.functional.linear(hidden, weight, bias)
     return _logprobs_from_logits(logits, targets, temperature, with_entropy)
 
 

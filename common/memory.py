@@ -22,7 +22,9 @@ embeddings once) and the run's flags. Per GPU, with P parameters per model:
   bfloat16`` or ``--teacher-dtype bfloat16``), divided by N under ``--fsdp``; resident throughout, LoRA or not. Its
   forward runs before the update, without gradients, so only its weights count at the peak.
 * LoRA (``--lora.rank r``, ``common/lora.py``): the policy's base is frozen, in the trainer's weight dtype (4P, 2P
-  with ``--dtype bfloat16``), with no gradients or AdamW state; its adapters, A = r x in and B = out x r per adapted
+  with ``--dtype bfloat16``; under bf16 autocast and not sharded, its decoder matmuls at 2 bytes,
+  ``common.runtime.hold_frozen_linears_in_bf16``, and no autocast casts of them), with no gradients or AdamW state;
+  its adapters, A = r x in and B = out x r per adapted
   linear layer, train in fp32 (16 bytes per adapter parameter). No reference loads: it is the policy with its
   adapters disabled. A critic or PRM stays fully trained. Activations are planned as without LoRA (the adapters'
   own, r values per token and layer, are not counted).
@@ -45,14 +47,18 @@ embeddings once) and the run's flags. Per GPU, with P parameters per model:
   holds the formula). Padded (``--micro-batch-size``): rows x the worst-case padded length (``max_model_len`` =
   prompt budget + token budget), each token under a mask row that wide. Packed (``--micro-batch-tokens N``): N
   tokens in one flat row (all N counted as completion tokens); under sdpa one N x N block-diagonal mask per layer
-  (so the mask term grows as N²), under flash-attention's varlen path none. The kernel is the one a CUDA run would
+  (so the mask term grows as N²), under flash-attention's varlen path, PyTorch's (``varlen``, which runs padded rows
+  packed too) or flex attention none. The kernel is the one a CUDA run would
   pick (``common.packing.attention_implementation``): flash_attention_2 for packed runs when flash-attn is importable
   on the planning machine, else sdpa.
 * the log-prob head's chunk (``common/logprobs.py``): ``LOGPROB_CHUNK`` completion tokens (or all of them, when
   fewer) x vocab fp32 logits and their log-softmax, and in the backward pass their two gradients: 4 such buffers at
   the peak, whatever the number of rows, padded or packed.
-* AdamW's step: ``torch.optim.AdamW`` (foreach, the CUDA default) allocates one temporary as large as the trained
-  state's gradients while they are allocated.
+* AdamW's step: fused on CUDA (``common.runtime.fuse_adamw``), in place: no temporary beside the gradients (torch's
+  foreach default, with which the committed H100 rows were measured, allocates one as large as the gradients).
+* ``--rollout.fp32-lm-head on``: the bf16x3 head's two bf16 copies of the head weight (4 V H bytes).
+* ``--checkpointing-policy``: every-2 keeps half the layers' activations, op is planned as no checkpointing (an
+  upper bound).
 * ``CUDA_OVERHEAD_GB`` for the CUDA context, cuBLAS/NCCL workspaces and allocator slack.
 
 The peak is the larger of the rollout phase (engine awake; no gradients, activations or autocast copies) and the
@@ -73,6 +79,7 @@ import importlib.util
 
 import torch
 
+from common.engine_base import use_fp32_head
 from common.logprobs import LOGPROB_CHUNK
 from common.memory_fixes import suggest_fixes
 from common.memory_phases import (
@@ -101,12 +108,13 @@ from common.memory_shapes import (
     MODEL_CONFIGS,
     ModelShape,
     critic_params,
+    decoder_matmul_params,
     local_config,
     lora_params,
     meta_model,
     model_shape,
 )
-from common.packing import attention_implementation
+from common.packing import MASKLESS_ATTENTION, attention_implementation
 
 __all__ = [  # the planner's public names: scripts, tests and benchmarks import them from here
     "CUDA_OVERHEAD_GB",
@@ -124,6 +132,7 @@ __all__ = [  # the planner's public names: scripts, tests and benchmarks import 
     "autocast_copy_bytes",
     "check_memory_plan",
     "critic_params",
+    "decoder_matmul_params",
     "format_plan",
     "frozen_teacher",
     "gpu_gb",
@@ -220,13 +229,14 @@ def plan_memory(
     attention = planned_attention(packed, half_precision=autocast or bf16_weights)
     if packed:  # one flat row of at most N tokens; under sdpa one N x N block-diagonal mask per layer
         tokens = min(args.micro_batch_tokens, rank_rows * max_model_len)
-        mask_len = 0 if attention.startswith("flash_attention") else tokens
+        mask_len = 0 if attention in MASKLESS_ATTENTION else tokens
         completion_tokens = tokens  # at most: a bin's tokens, prompts included
         mask = f"one {tokens} x {tokens} mask per layer" if mask_len else "no mask"
         micro = f"packed: {tokens} tokens in one row, {attention}, {mask}"
     else:  # rows at the worst-case padded length, each with a max_model_len-wide mask row per token
         rows = min(args.micro_batch_size, rank_rows)
-        tokens, mask_len = rows * max_model_len, max_model_len
+        # (a varlen kernel runs them packed: no mask)
+        tokens, mask_len = rows * max_model_len, 0 if attention == "varlen" else max_model_len
         completion_tokens = rows * min(args.max_new_tokens, max_model_len)
         micro = f"{rows} rows x {max_model_len} tokens, {attention}"
     fsdp = getattr(args, "fsdp", False) and world > 1
@@ -243,6 +253,11 @@ def plan_memory(
     # the scripts step each model and free its gradients before the next one's update: they never coexist
     gradients = max(policy_state, second_state)
     frozen = (wbytes * p if adapters else 0.0) / shards * on_gpu  # LoRA: the policy's frozen base
+    # under bf16 autocast on CUDA (not sharded) the base's decoder matmuls are held in bf16
+    # (common.runtime.hold_frozen_linears_in_bf16): 2 bytes each, no autocast casts of them
+    bf16_base = bool(adapters) and autocast and not fsdp
+    if bf16_base:
+        frozen -= 2 * decoder_matmul_params(shape)
     name = "critic" if critic else "PRM"
     second_what = f"critic ({second / 1e9:.3f} B: value head, no LM head)" if critic else "implicit PRM"
     if not adapters:
@@ -250,7 +265,8 @@ def plan_memory(
         what += f", {wbytes} B/param"
     else:
         what = (f"{name} + " if second else "") + (
-            f"LoRA adapters ({adapters / 1e6:.1f}M params, fp32) on a frozen {wbytes} B/param base"
+            f"LoRA adapters ({adapters / 1e6:.1f}M params, fp32) on a frozen "
+            + ("base, its decoder matmuls in bf16" if bf16_base else f"{wbytes} B/param base")
         )
     one_at_a_time = " (one model's at a time: the larger)" if second else ""
     components = [
@@ -279,9 +295,12 @@ def plan_memory(
         label = "FSDP gathered units (root + 2 layers, weights and gradients)"
         components.append((label + (" of one model at a time" if second else ""), max(gathered_units, second_units)))
     trainer_state = sum(b for _, b in components)
-    components.append(("AdamW step temporary (foreach, one gradient-sized buffer)", gradients))
+    # AdamW steps fused on CUDA (common.runtime.fuse_adamw): no foreach temporary beside the gradients
+    components.append(("AdamW step temporary (fused on CUDA: none)", 0.0))
     ckpt = args.gradient_checkpointing
-    copies = autocast_copy_bytes(p, shape.layers, 0 if adapters else 1, bool(adapters), ckpt) if autocast else 0.0
+    policy = getattr(args, "checkpointing_policy", "full") if ckpt else "none"
+    lora_casts = bool(adapters) and not bf16_base
+    copies = autocast_copy_bytes(p, shape.layers, 0 if adapters else 1, lora_casts, ckpt) if autocast else 0.0
     second_copies = autocast_copy_bytes(second, shape.layers, 1, False, ckpt) if autocast else 0.0
     components.append((f"bf16 autocast weight copies{one_at_a_time}", max(copies, second_copies)))
     bf16_act = autocast or bf16_weights
@@ -297,6 +316,15 @@ def plan_memory(
     chunk = min(LOGPROB_CHUNK, completion_tokens)
     components.append((f"log-prob head chunk ({chunk} tokens x {shape.vocab} fp32 x 4)", head))
     saved = saved_bytes(shape, tokens, mask_len, completion_tokens, bf16_act, ckpt)
+    if policy in ("op", "every-2"):  # selective checkpointing (common.runtime.enable_checkpointing)
+        kept = saved_bytes(shape, tokens, mask_len, completion_tokens, bf16_act, False)
+        # every-2: half the layers keep everything; op: planned as keeping everything (an upper bound: it recomputes
+        # every second matmul and the elementwise work)
+        saved = kept if policy == "op" else (saved + kept) / 2
+        components.append((f"activations saved under --checkpointing-policy {policy}", saved))
+    head_cache = 4 * shape.vocab * shape.hidden if use_fp32_head(args.rollout, "cuda") else 0.0
+    if head_cache:  # the bf16x3 head's bf16 hi and lo copies of the head weight (common.head_precision)
+        components.append(("bf16x3 LM head's bf16 weight parts (--rollout.fp32-lm-head on)", head_cache))
     head_gradient = 0.0 if adapters else shape.vocab * shape.hidden * wbytes / shards  # the LM head's weight
     engine_weights = engine_share = 0.0
     if backend == "vllm":
@@ -324,6 +352,7 @@ def plan_memory(
     overhead = CUDA_OVERHEAD_GB * GB
     components.append(("CUDA context and workspaces", overhead))
     resident = 3 * state + frozen + (wbytes * p if has_ref else 0.0) / shards * on_gpu + teacher_bytes + overhead
+    resident += head_cache
     rollout_peak = resident + rollout_engine
     phases = update_phases(
         resident + buckets + update_engine,
@@ -334,6 +363,7 @@ def plan_memory(
         head,
         head_gradient,
         gathered_units,
+        adamw_temporary=False,
     )
     update_peak = max(phases.values())
     if second:  # the critic's or PRM's update runs first, and its gradients are freed before the policy's
@@ -345,7 +375,15 @@ def plan_memory(
             lm_head_2 = shape.vocab * shape.hidden * wbytes / shards
         base = resident + buckets + update_engine
         phases_2 = update_phases(
-            base, second_state, second_copies, saved_2, recomputed_2, head_2, lm_head_2, second_units
+            base,
+            second_state,
+            second_copies,
+            saved_2,
+            recomputed_2,
+            head_2,
+            lm_head_2,
+            second_units,
+            adamw_temporary=False,
         )
         components.append((f"peak during the {name}'s update", max(phases_2.values())))
         components.append((f"peak during the policy's update (the {name}'s gradients freed)", update_peak))

@@ -121,6 +121,7 @@ def update_phases(
     head: float,
     head_gradient: float,
     transient: float = 0.0,
+    adamw_temporary: bool = True,
 ) -> dict[str, float]:
     """Bytes at the three moments of an optimiser step that can hold its peak (measured phase by phase on an H100,
     ``benchmarks/gpu_check.py``'s learner rows):
@@ -134,7 +135,9 @@ def update_phases(
       inputs and one recomputed layer) are counted as if they outlived the gradients (an upper bound: they are freed
       as it goes).
     * ``step``: AdamW (``torch.optim.AdamW``, foreach on CUDA) allocates one temporary as large as the trained
-      state's gradients (its ``_foreach_sqrt`` of the second moments) beside the gradients.
+      state's gradients (its ``_foreach_sqrt`` of the second moments) beside the gradients; the fused kernel the
+      scripts now step with on CUDA (``common.runtime.fuse_adamw``; ``adamw_temporary`` False) updates in place.
+      The H100 rows of benchmarks/results/gpu/ were measured with foreach.
 
     These are one trained model's moments. A script that trains two (ppo.py's critic, prime.py's PRM, each updated
     before the policy) steps each and frees its gradients (``zero_grad(set_to_none=True)``) before the next one's
@@ -146,5 +149,5 @@ def update_phases(
     return {
         "forward": resident + copies + saved + head + head_gradient + transient,
         "backward": resident + gradients + saved + recomputed + 2 * head_gradient + transient,
-        "step": resident + 2 * gradients,
+        "step": resident + (2 if adamw_temporary else 1) * gradients,
     }

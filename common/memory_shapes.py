@@ -117,3 +117,10 @@ def critic_params(model_path: str) -> int:
     with torch.device("meta"):
         critic = AutoModelForTokenClassification.from_config(AutoConfig.from_pretrained(model_path, num_labels=1))
     return sum(p.numel() for p in critic.parameters())
+
+
+def decoder_matmul_params(shape: ModelShape) -> int:
+    """Parameters of the decoder layers' matmul weights: L (2 H n_h d + 2 H n_kv d + 3 H I) (q and o, k and v,
+    gate / up / down; biases and norms not counted): what a LoRA base holds in bf16 on CUDA."""
+    attention = 2 * shape.hidden * shape.heads * shape.head_dim + 2 * shape.hidden * shape.kv_heads * shape.head_dim
+    return shape.layers * (attention + 3 * shape.hidden * shape.intermediate)

@@ -31,24 +31,45 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from common.attention import varlen_kwargs
+
 # attention implementations (transformers' ``_attn_implementation``) that separate packed sequences by their
 # restarting position_ids: eager/sdpa/flex through masking_utils' packed-sequence mask, flash-attention through varlen
 PACKABLE_ATTENTION = ("eager", "sdpa", "flex_attention", "flash_attention_2", "flash_attention_3")
 
 
-def attention_implementation(device_type: str, packed: bool, half_precision: bool = True) -> str:
+# The kernel CUDA runs use without the flash-attn package, to be chosen by measurement (benchmarks/mfu_check.py's
+# attention=varlen / attention=flex variants, issue 41 part 2): 'varlen' (common/attention.py: PyTorch's
+# FlashAttention-2 varlen kernel; padded micro-batches then run packed too, a causal kernel with no mask), or
+# 'flex_attention' (transformers' document block mask; packed micro-batches only), or 'sdpa' (a dense mask). Not
+# measured on a GPU yet: 'sdpa', the choice every committed GPU figure was measured with.
+CUDA_ATTENTION = "sdpa"
+# implementations that take packed rows with no N x N mask (the planner counts no mask term for them)
+MASKLESS_ATTENTION = ("flash_attention_2", "flash_attention_3", "varlen", "flex_attention")
+
+
+def attention_implementation(
+    device_type: str, packed: bool, half_precision: bool = True, cuda_attention: str | None = None
+) -> str:
     """The trainer's attention kernel. CPU: eager (sdpa's bf16 backward is several times slower there). CUDA: sdpa,
     except packed micro-batches computed in bf16 (``half_precision``: autocast or bf16 weights; flash-attention
     rejects fp32) with the flash-attn package installed, which take flash-attention's varlen path (no N x N mask);
-    packed under sdpa or eager builds a dense block-diagonal N x N mask, which the planner counts.
+    without it, ``cuda_attention`` (default ``CUDA_ATTENTION``): 'varlen' for bf16 runs, padded or packed (the
+    padded rows run packed, ``common.logprobs``), 'flex_attention' for packed runs; packed under sdpa or eager
+    builds a dense block-diagonal N x N mask, which the planner counts.
 
     The choice is the whole module's (``load_model``'s ``attn_implementation``), so the HF engine decodes on
     flash-attention too: it runs its forwards under the trainer's autocast (``common.rollout.decode_autocast``, bf16
-    autocast on an fp32 flash-attention module when none is given), never in fp32, which flash-attn rejects."""
+    autocast on an fp32 flash-attention module when none is given), never in fp32, which flash-attn rejects; on
+    'varlen', a decode (padding mask, KV cache) runs sdpa (``common.attention``)."""
     if device_type != "cuda":
         return "eager"
-    flash = packed and half_precision and importlib.util.find_spec("flash_attn") is not None
-    return "flash_attention_2" if flash else "sdpa"
+    if packed and half_precision and importlib.util.find_spec("flash_attn") is not None:
+        return "flash_attention_2"
+    kernel = cuda_attention or CUDA_ATTENTION
+    if kernel == "varlen" and half_precision:
+        return kernel
+    return kernel if kernel == "flex_attention" and packed else "sdpa"
 
 
 def first_fit_decreasing(lengths: list[int], budget: int) -> list[list[int]]:
@@ -156,13 +177,16 @@ def model_layout(input_ids: torch.Tensor, attention_mask: torch.Tensor, completi
             "input_ids": input_ids[mask].unsqueeze(0),
             "position_ids": positions.unsqueeze(0),
             "attention_mask": None,
+            # where each sequence starts, for a varlen kernel (common/attention.py; flash-attention takes the same
+            # names); the row width bounds the longest sequence without a host sync. Other kernels ignore them.
+            **varlen_kwargs(mask.sum(-1), width),
         }
         before = flat_index[:, prompt_width:][rows, cols] - 1
         source = (torch.zeros_like(before), before)
     else:
         used = mask.any(0).nonzero().squeeze(-1)
-        start = min(int(used[0]), prompt_width - 1) if used.numel() else prompt_width - 1
-        end = max(int(used[-1]) + 1, prompt_width + 1) if used.numel() else prompt_width + 1
+        first, last = used[[0, -1]].tolist() if used.numel() else (prompt_width - 1, prompt_width)  # one host read
+        start, end = min(first, prompt_width - 1), max(last + 1, prompt_width + 1)
         ids, kept_mask = input_ids[:, start:end], attention_mask[:, start:end]
         inputs = {
             "input_ids": ids,
