@@ -2,7 +2,7 @@
 
     python benchmarks/mfu_check.py                   # on a CUDA machine: every variant on both target rows (~4 min)
     python benchmarks/mfu_check.py --smoke           # the same code on the CPU with a tiny shape (CI, seconds)
-    python benchmarks/mfu_check.py --variants baseline head=bf16x3 head=bf16x3,optimizer=fused --rows 1.5b
+    python benchmarks/mfu_check.py --variants before baseline head=bf16x3 attention=varlen,compile=layers --rows 1.5b
 
 Each row is the learner step of ``python algos/grpo.py``, on random weights of a Qwen2.5 shape from
 common/model_configs/ (no download). The step is a forward through ``common.logprobs.token_logprobs`` (with entropy,
@@ -13,19 +13,28 @@ under bf16 autocast over fp32 weights), a GRPO-style surrogate loss and its ``.i
 The same rows come from ``gpu_check.sequence_lengths`` / ``learner_batch``: padded rows with one pad position, the
 way the scripts lay them out.
 
-Variants. ``baseline`` is the scripts' settings on this device. Every other variant is ``key=value[,key=value]``
-changes to it:
-  head=fp32|bf16|bf16-fp32-out|bf16x3|tf32   the LM head's precision (common/head_precision.py; the scripts use
-                                            fp32 on the CPU and bf16 on CUDA, ``use_fp32_head``)
-  optimizer=default|fused                   torch's AdamW implementation (default: the scripts', foreach on CUDA)
+Variants. ``baseline`` is the scripts' settings on this device; ``before`` the settings before issue 41 (foreach
+AdamW, a fp32 LoRA base). Every other variant is ``key=value[,key=value]`` changes to the baseline, each through
+the code in ``common/`` the scripts run:
+  head=fp32|bf16|bf16-fp32-out|bf16x3|tf32   the LM head's precision (``token_logprobs(fp32_head=...)``,
+                                            common/head_precision.py; the scripts: fp32 on the CPU, bf16 on CUDA,
+                                            bf16x3 on CUDA with --rollout.fp32-lm-head on)
+  optimizer=default|fused|foreach           AdamW (default: the scripts', ``Run.prepare``'s ``fuse_adamw``: fused
+                                            on CUDA)
   layout=padded|packed                      packed: one flat row, ``token_logprobs(packed=True)``
-  attention=auto|sdpa|eager|flex|varlen     the attention kernel (auto: the scripts' choice for the layout, sdpa
-                                            on CUDA without flash-attn, eager on the CPU; flex, varlen: part 2)
-  lora-base=fp32|bf16                       the frozen LoRA base's dtype (part 3)
-  checkpointing=full|selective|off          activation checkpointing (selective: part 3)
-  compile=off|layers                        per-layer torch.compile (part 4)
-A variant whose implementation does not exist yet is listed with the line "not implemented" (``NOT_IMPLEMENTED``)
-and skipped. Where one lands, the lead replaces its entry with a call into ``common/``.
+  attention=auto|sdpa|eager|flex|varlen     the attention kernel (auto: the scripts' choice for the layout,
+                                            ``common.packing.attention_implementation``; varlen: common/attention.py,
+                                            padded rows then run packed; flex: transformers' flex_attention)
+  lora-base=fp32|bf16                       the frozen LoRA base's matmuls (bf16: ``hold_frozen_linears_in_bf16``,
+                                            the scripts' on CUDA)
+  checkpointing=full|op|every-2|off         ``common.runtime.enable_checkpointing``'s policies, or none
+  compile=off|layers                        ``common.runtime.compile_layers`` (the smoke run: dynamo's eager
+                                            backend, the same graph capture without inductor's compile time)
+On the CPU flex attention has no backward: its smoke variant times the forward alone (status "ok (forward only)"),
+on the first row only (each compiles for ~20 s on a CPU).
+Each head variant also records the head's share of ``train/logprob_gap`` against each vLLM head (``head_gap``: mean
+|log-prob difference| over the row's completion tokens between this head and vLLM's bf16 head, 'off', and its fp32
+head, bf16-fp32-out, 'on', on the same decoder output), the pairing table of docs/gpu.md in numbers.
 
 Per variant: step seconds (forward + backward + clip + AdamW, median of ``--steps``), tokens/s, MFU on prime-rl's
 convention and HFU with recomputation (``gpu_check.learner_flops``, docs/gpu.md "MFU: the convention"), the gap to
@@ -33,7 +42,8 @@ convention and HFU with recomputation (``gpu_check.learner_flops``, docs/gpu.md 
 (any op on a vocab-sized dimension), attention, GEMM, elementwise (norms, RoPE, SwiGLU, casts, ...), optimiser
 (clip and AdamW), other. Results go to ``--out`` (default benchmarks/results/gpu/mfu/, or runs/mfu_check_smoke/
 with --smoke) as results.json and results.md, rewritten after each variant, so a cut-off run keeps what it
-measured. A time budget (``--budget-s``) stops starting new variants in time for the device call's limit. The
+measured. A time budget (``--budget-s``, shared out evenly between the rows) stops starting new variants in time
+for the device call's limit; the variants are listed most telling first. The
 smoke run times one step per variant with no warm-up and profiles each row's first variant only (the profiler's
 start-up is seconds on a CPU).
 
@@ -44,7 +54,6 @@ gpu_check (docs/gpu.md, "The GPU check").
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import statistics
 import sys
@@ -57,67 +66,71 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-import common.logprobs  # noqa: E402
 from benchmarks import gpu_check  # noqa: E402
-from common.head_precision import PRECISIONS, head_logprobs  # noqa: E402
+from common.attention import register_varlen  # noqa: E402
+from common.head_precision import PRECISIONS  # noqa: E402
 from common.logprobs import token_logprobs  # noqa: E402
 from common.packing import attention_implementation  # noqa: E402
 from common.rollout import RolloutConfig, use_fp32_head  # noqa: E402
+from common.runtime import compile_layers, enable_checkpointing, fuse_adamw, hold_frozen_linears_in_bf16  # noqa: E402
 
 TARGET_MFU = 0.40
 # the issue's target rows: (model config, micro-batch, sequence length, checkpointing, LoRA rank)
 ROWS = {"1.5b": ("qwen2.5-1.5b", 4, 4096, True, 0), "7b": ("qwen2.5-7b", 1, 4096, True, 16)}
 SMOKE_ROWS = {"smoke": ("smoke", 2, 64, True, 0), "smoke-lora": ("smoke", 1, 64, True, 8)}
-DEFAULT_VARIANTS = [
+DEFAULT_VARIANTS = [  # the most telling first: a time budget cuts the list's tail
+    "before",
     "baseline",
-    "head=fp32",
-    "head=bf16",
-    "head=bf16-fp32-out",
-    "head=bf16x3",
-    "head=tf32",
-    "optimizer=fused",
-    "layout=packed",
-    "attention=flex",
     "attention=varlen",
-    "lora-base=bf16",
-    "checkpointing=selective",
     "compile=layers",
-    "head=bf16x3,optimizer=fused",
+    "attention=varlen,compile=layers",
+    "checkpointing=op",
+    "checkpointing=every-2",
+    "attention=varlen,compile=layers,checkpointing=op",
+    "head=bf16x3",
+    "head=bf16-fp32-out",
+    "head=fp32",
+    "head=tf32",
+    "layout=packed",
+    "layout=packed,attention=varlen",
+    "layout=packed,attention=flex",
+    "optimizer=foreach",
+    "lora-base=fp32",
+    "checkpointing=off",
+    "optimizer=fused",
 ]
 CHOICES = {
     "head": PRECISIONS,
-    "optimizer": ("default", "fused"),
+    "optimizer": ("default", "fused", "foreach"),
     "layout": ("padded", "packed"),
     "attention": ("auto", "sdpa", "eager", "flex", "varlen"),
     "lora-base": ("fp32", "bf16"),
-    "checkpointing": ("full", "selective", "off"),
+    "checkpointing": ("full", "op", "every-2", "off"),
     "compile": ("off", "layers"),
 }
-NOT_IMPLEMENTED = {
-    ("attention", "flex"): "issue 41 part 2: transformers' flex_attention document mask from restarting positions",
-    ("attention", "varlen"): "issue 41 part 2: torch.nn.attention.varlen registered as an attention implementation",
-    ("lora-base", "bf16"): "issue 41 part 3: a frozen LoRA base held in bf16",
-    ("checkpointing", "selective"): "issue 41 part 3: selective activation checkpointing",
-    ("compile", "layers"): "issue 41 part 4: per-layer torch.compile (--compile)",
-}
+ATTENTION_NAMES = {"flex": "flex_attention", "varlen": "varlen"}
 CATEGORIES = ("head", "attention", "gemm", "elementwise", "optimiser", "other")
 GEMM_OPS = {"aten::mm", "aten::addmm", "aten::_addmm_activation", "aten::bmm", "aten::baddbmm", "aten::mm.dtype"}
 ATTENTION_WORDS = ("attention", "sdpa", "flash", "varlen", "flex")
 
 
 def parse_variant(text: str, device: torch.device) -> dict[str, str]:
-    """``baseline`` or ``key=value[,key=value]`` -> the full settings: the scripts' own on ``device``, changed."""
+    """``baseline``, ``before`` or ``key=value[,key=value]`` -> the full settings: the scripts' own on ``device``,
+    changed."""
+    cuda = device.type == "cuda"
     settings = {
         "head": "fp32" if use_fp32_head(RolloutConfig(), device) else "bf16",
         "optimizer": "default",
         "layout": "padded",
         "attention": "auto",  # the scripts' kernel for the layout (common.packing.attention_implementation)
-        "lora-base": "fp32",
+        "lora-base": "bf16" if cuda else "fp32",  # load_model's: bf16 under autocast on CUDA
         "checkpointing": "full",
         "compile": "off",
     }
     if text == "baseline":
         return settings
+    if text == "before":  # the learner before issue 41: foreach AdamW, an fp32 LoRA base
+        return settings | {"optimizer": "foreach", "lora-base": "fp32"}
     for part in text.split(","):
         key, _, value = part.partition("=")
         if key not in CHOICES or value not in CHOICES[key]:
@@ -126,29 +139,9 @@ def parse_variant(text: str, device: torch.device) -> dict[str, str]:
     return settings
 
 
-def missing(settings: dict[str, str]) -> list[str]:
-    """The not-yet-implemented parts a variant's settings need (``NOT_IMPLEMENTED``)."""
-    return [NOT_IMPLEMENTED[item] for item in settings.items() if item in NOT_IMPLEMENTED]
-
-
-@contextlib.contextmanager
-def head_precision(precision: str):
-    """``token_logprobs``' head in ``precision``: fp32 and bf16 are its own ``fp32_head`` on and off (the scripts'
-    path, unchanged); any other runs ``common.head_precision.head_logprobs`` in place of the chunk function, every
-    other part of the path (selection, chunking, per-chunk recomputation) the project's own."""
-    if precision in ("fp32", "bf16"):
-        yield precision == "fp32"
-        return
-    original = common.logprobs._logprobs_from_hidden
-
-    def chunk(hidden, targets, temperature, with_entropy, weight, bias, fp32_head):
-        return head_logprobs(hidden, weight, bias, targets, temperature, precision, with_entropy)
-
-    common.logprobs._logprobs_from_hidden = chunk
-    try:
-        yield False
-    finally:
-        common.logprobs._logprobs_from_hidden = original
+def forward_only(settings: dict[str, str], device: torch.device) -> bool:
+    """Flex attention has no backward on the CPU: its variants there time the forward alone."""
+    return device.type != "cuda" and settings["attention"] == "flex"
 
 
 def categorise(name: str, shapes: list, vocab: int, in_optimiser: bool) -> str:
@@ -234,20 +227,35 @@ class Results:
         return "\n".join(lines) + "\n"
 
 
-def build_model(config, checkpointing: bool, lora: int, attention: str, device: torch.device):
-    """Random fp32 weights of ``config`` on ``device``, as the scripts train them (``load_model``): gradient
-    checkpointing (non-reentrant), LoRA adapters on every linear layer of a frozen base."""
+def build_model(config, settings: dict[str, str], checkpointing: bool, lora: int, attention: str, device):
+    """Random fp32 weights of ``config`` on ``device``, as ``load_model`` builds the scripts' policy: checkpointing
+    by ``enable_checkpointing``'s policy (when the row checkpoints), LoRA adapters on every linear layer of a frozen
+    base (held in bf16 with lora-base=bf16), each decoder layer compiled with compile=layers."""
     from transformers import AutoModelForCausalLM
 
+    if attention == "varlen":
+        register_varlen()
     with device:  # built on the device: a 7B init on the host would take minutes
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation=attention)
-    if checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if checkpointing and settings["checkpointing"] != "off":
+        enable_checkpointing(model, settings["checkpointing"])
     if lora:
         from common.lora import LoraConfig, apply_lora
 
         model = apply_lora(model, LoraConfig(rank=lora))
-    return model.train()
+        if settings["lora-base"] == "bf16":
+            hold_frozen_linears_in_bf16(model)
+    model.train()
+    if settings["compile"] == "layers":
+        # the smoke run captures the same graphs without inductor's minutes of compilation on a CPU
+        compile_layers(model, backend="inductor" if device.type == "cuda" else "eager")
+    return model
+
+
+def head_setting(settings: dict[str, str]) -> bool | str:
+    """``token_logprobs``' ``fp32_head`` for the variant's head: bf16 is the model's own head (fp32_head False, the
+    scripts' CUDA default), any other precision by name."""
+    return False if settings["head"] == "bf16" else settings["head"]
 
 
 def forward_backward(model, batch, settings: dict[str, str], device: torch.device) -> None:
@@ -255,7 +263,8 @@ def forward_backward(model, batch, settings: dict[str, str], device: torch.devic
     backward and the loss's ``.item()`` (the scripts sync on every micro-batch's loss)."""
     input_ids, attention_mask, width, advantages = batch
     mask = attention_mask[:, -width:]
-    with head_precision(settings["head"]) as fp32_head, torch.autocast(device.type, dtype=torch.bfloat16):
+    backward = not forward_only(settings, device)
+    with torch.set_grad_enabled(backward), torch.autocast(device.type, dtype=torch.bfloat16):
         logprobs, _entropy = token_logprobs(
             model,
             input_ids,
@@ -263,12 +272,27 @@ def forward_backward(model, batch, settings: dict[str, str], device: torch.devic
             width,
             1.0,
             with_entropy=True,
-            fp32_head=fp32_head,
+            fp32_head=head_setting(settings),
             packed=settings["layout"] == "packed",
         )
     loss = -(torch.exp(logprobs - logprobs.detach()) * advantages[:, None] * mask).sum() / mask.sum()
-    loss.backward()
+    if backward:
+        loss.backward()
     loss.item()
+
+
+def head_gap(model, batch, settings: dict[str, str], device: torch.device) -> dict[str, float]:
+    """Mean |log-prob difference| over the completion tokens between this variant's head and vLLM's two heads
+    (bf16 logits: --rollout.fp32-lm-head off; bf16-fp32-out: on) on the same decoder output, no gradients."""
+    input_ids, attention_mask, width, _ = batch
+    mask = attention_mask[:, -width:].bool()
+    results = {}
+    with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16):
+        ours, _ = token_logprobs(model, input_ids, attention_mask, width, 1.0, fp32_head=head_setting(settings))
+        for name, vllm in (("vllm_off", False), ("vllm_on", "bf16-fp32-out")):
+            theirs, _ = token_logprobs(model, input_ids, attention_mask, width, 1.0, fp32_head=vllm)
+            results[name] = (ours - theirs).abs()[mask].float().mean().item()
+    return results
 
 
 def optimiser_step(model, optimizer) -> None:
@@ -280,7 +304,19 @@ def optimiser_step(model, optimizer) -> None:
 
 def learner_step(model, optimizer, batch, settings: dict[str, str], device: torch.device) -> None:
     forward_backward(model, batch, settings, device)
-    optimiser_step(model, optimizer)
+    if not forward_only(settings, device):
+        optimiser_step(model, optimizer)
+
+
+def make_optimizer(model, settings: dict[str, str]) -> torch.optim.Optimizer:
+    """The scripts' AdamW (defaults, then ``Run.prepare``'s ``fuse_adamw``), or a forced implementation."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    if settings["optimizer"] == "foreach":
+        return torch.optim.AdamW(params, lr=1e-7, foreach=True)
+    optimizer = torch.optim.AdamW(params, lr=1e-7)
+    # fused: on CUDA as the scripts do; asked for explicitly, on the CPU's fused kernel as well
+    fuse_adamw(optimizer, ("cuda", "cpu") if settings["optimizer"] == "fused" else ("cuda",))
+    return optimizer
 
 
 def synchronize(device: torch.device) -> None:
@@ -297,6 +333,7 @@ def measure(
     device: torch.device,
     workdir: Path,
     started: float,
+    budget_s: float,
 ) -> None:
     """Every variant of one row, the model built once (variants that change it: rebuilt)."""
     name, micro_batch, seq_len, checkpointing, lora = spec
@@ -307,27 +344,27 @@ def measure(
         settings = parse_variant(variant, device)
         record = {"row": row, "model": name, "micro_batch": micro_batch, "seq_len": seq_len, "lora_rank": lora}
         record |= {"variant": variant, "settings": settings}
-        if needs := missing(settings):
-            results.add(record | {"status": "not implemented", "error": "; ".join(needs)})
+        if args.smoke and settings["attention"] == "flex" and row != next(iter(SMOKE_ROWS)):
+            results.add(record | {"status": "skipped: smoke compiles flex on the first row only"})
             continue
-        if time.time() - started > args.budget_s:
+        if time.time() - started > budget_s:
             results.add(record | {"status": "skipped: time budget"})
             continue
         ckpt = settings["checkpointing"] != "off" and checkpointing
-        attention = settings["attention"]
+        attention = ATTENTION_NAMES.get(settings["attention"], settings["attention"])
         if attention == "auto":
             attention = attention_implementation(device.type, settings["layout"] == "packed")
         record["attention"] = attention
-        key = (attention, ckpt, settings["lora-base"], settings["compile"])
+        key = (attention, ckpt, settings["checkpointing"], settings["lora-base"], settings["compile"])
         optimizer = None
         try:
             if built_for != key:
                 model = built_for = None  # a failed build leaves no stale model behind
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
-                model, built_for = build_model(config, ckpt, lora, attention, device), key
-            fused = settings["optimizer"] == "fused"
-            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-7, fused=fused or None)
+                model, built_for = build_model(config, settings, ckpt, lora, attention, device), key
+            optimizer = make_optimizer(model, settings)
+            record["optimizer_impl"] = "fused" if optimizer.param_groups[0]["fused"] else "foreach/default"
             generator = torch.Generator(device=device).manual_seed(0)
             ids, attention_mask, width = gpu_check.learner_batch(
                 settings["layout"], micro_batch, seq_len, config.vocab_size, generator, device
@@ -348,16 +385,21 @@ def measure(
             seconds = statistics.median(times)
             lengths = [int(n) for n in attention_mask.sum(-1).tolist()]
             prompts = gpu_check.prompt_lengths(settings["layout"], micro_batch, seq_len)
+            # HFU counts full recomputation only: the selective policies' partial recompute is not credited
+            full_recompute = ckpt and settings["checkpointing"] == "full"
             flops = gpu_check.probe_flops(
-                folder, settings["layout"], micro_batch, seq_len, ckpt, lora, lengths, prompts
+                folder, settings["layout"], micro_batch, seq_len, full_recompute, lora, lengths, prompts
             )
-            record |= {"status": "ok", "step_s": seconds, "tokens_per_s": sum(lengths) / seconds}
+            status = "ok (forward only)" if forward_only(settings, device) else "ok"
+            record |= {"status": status, "step_s": seconds, "tokens_per_s": sum(lengths) / seconds}
             record |= {"model_tflop": flops["model"] / 1e12, "hardware_tflop": flops["hardware"] / 1e12}
             if peak_flops:
                 record |= gpu_check.utilisation(flops, seconds, peak_flops)
                 record["to_target"] = TARGET_MFU - record["mfu"]
             if device.type == "cuda":
                 record["peak_gb"] = torch.cuda.max_memory_allocated() / 1e9
+            if variant == "baseline" or "head=" in variant:
+                record["head_gap"] = head_gap(model, batch, settings, device)
             if args.profile == "all" or (
                 args.profile == "first" and not any("profile_ms" in r for r in results.records if r["row"] == row)
             ):
@@ -380,10 +422,13 @@ def profiled_step(model, optimizer, batch, settings, device: torch.device, vocab
     with profile(activities=activities, record_shapes=True) as body:
         forward_backward(model, batch, settings, device)
         synchronize(device)
-    with profile(activities=activities, record_shapes=True) as step:
-        optimiser_step(model, optimizer)
-        synchronize(device)
-    return profile_split([(body, False), (step, True)], vocab, device.type == "cuda")
+    profiles = [(body, False)]
+    if not forward_only(settings, device):
+        with profile(activities=activities, record_shapes=True) as step:
+            optimiser_step(model, optimizer)
+            synchronize(device)
+        profiles.append((step, True))
+    return profile_split(profiles, vocab, device.type == "cuda")
 
 
 def main() -> None:
@@ -418,10 +463,12 @@ def main() -> None:
     results = Results(out, env)
     print(f"mfu_check: {env['device']}, torch {env['torch']}, transformers {env['transformers']} -> {out}")
     started = time.time()
+    chosen = args.rows or list(rows)
     with tempfile.TemporaryDirectory() as workdir:
-        for row in args.rows or list(rows):
-            measure(results, row, rows[row], args.variants, args, device, Path(workdir), started)
-    ran = [r for r in results.records if r["status"] == "ok"]
+        for i, row in enumerate(chosen):  # each row may start variants until its share of the budget is spent
+            budget = args.budget_s * (i + 1) / len(chosen)
+            measure(results, row, rows[row], args.variants, args, device, Path(workdir), started, budget)
+    ran = [r for r in results.records if r["status"].startswith("ok")]
     failed = [r for r in results.records if r["status"] == "error"]
     print(f"wrote {out}/results.json and results.md: {len(ran)} measured, {len(failed)} failed")
     if failed:
