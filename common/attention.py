@@ -75,20 +75,25 @@ def _varlen_kwargs() -> dict:
     kwargs = {"is_causal": True} if "is_causal" in params else {"window_size": (-1, 0)}
     if "enable_gqa" in params:
         kwargs["enable_gqa"] = True
+    kwargs["_scale"] = "scale" in params  # whether the scale can be passed (else the kernel's 1/sqrt(d), the same)
     return kwargs
 
 
 def _cuda_varlen(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale) -> torch.Tensor:
     from torch.nn.attention.varlen import varlen_attn
 
-    kwargs = _varlen_kwargs()
+    kwargs = dict(_varlen_kwargs())
+    if kwargs.pop("_scale"):
+        kwargs["scale"] = scale
+    elif scale is not None and abs(scale - query.shape[-1] ** -0.5) > 1e-6:
+        raise ValueError(f"this torch's varlen_attn takes no scale, and the model's ({scale}) is not 1/sqrt(d)")
     if "enable_gqa" not in kwargs and key.shape[1] != query.shape[1]:  # an older kernel: repeat the K/V heads
         groups = query.shape[1] // key.shape[1]
         key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
     dtype = query.dtype
     if dtype not in (torch.bfloat16, torch.float16):  # FlashAttention computes in half precision only
         query, key, value = (t.to(torch.bfloat16) for t in (query, key, value))
-    out = varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, scale=scale, **kwargs)
+    out = varlen_attn(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, **kwargs)
     return out.to(dtype)
 
 

@@ -213,6 +213,23 @@ def test_varlen_registration_runs_packed_rows_as_eager_does(rows, monkeypatch):
     torch.testing.assert_close(padded, lp_eager, rtol=0, atol=1e-5)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="torch's varlen kernel is CUDA-only")
+def test_cuda_varlen_kernel_matches_the_per_sequence_standin():
+    """On a GPU: PyTorch's varlen kernel (FlashAttention-2, bf16) against the stand-in in fp32, three packed sequences
+    with grouped-query heads (12 query heads over 2 key/value heads, as Qwen2.5-1.5B), to bf16's resolution."""
+    from common.attention import _cuda_varlen
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    lengths = [7, 1, 40]
+    n = sum(lengths)
+    q = torch.randn(n, 12, 64, device="cuda", generator=g, dtype=torch.bfloat16)
+    k, v = (torch.randn(n, 2, 64, device="cuda", generator=g, dtype=torch.bfloat16) for _ in range(2))
+    cu = varlen_kwargs(torch.tensor(lengths, device="cuda"), max(lengths))["cu_seq_lens_q"]
+    out = _cuda_varlen(q, k, v, cu, cu, max(lengths), max(lengths), 64**-0.5)
+    expected = per_sequence_attention(q.float(), k.float(), v.float(), cu, 64**-0.5)
+    torch.testing.assert_close(out.float(), expected, rtol=2e-2, atol=2e-2)
+
+
 # --- part 2: flex attention on packed rows (forward only on the CPU) ---------------------------------------------
 
 
