@@ -29,6 +29,13 @@ schedule (one meaning of lag), no overlap. The weight push waits for the generat
 mid-generation), so at most one batch samples at a time and a checkpoint, taken after the push, holds the finished
 batches sampled ahead, which older weights produced and a resume cannot regenerate; their prompts were drawn, so the
 data cursor needs nothing more.
+
+``--rollout.in-flight`` (server engine only; docs/gpu.md, "In-flight weight updates") keeps the schedule's requests
+(admission: batch s is requested at the top of step s - k + 1, so every sample starts at most k - 1 versions before
+its step) but not its wait: ``update_weights`` pauses the servers, pushes and resumes the same requests
+(``VLLMServerEngine.update_weights_in_flight``), so up to k batches generate at once and each token carries the
+version that sampled it (``Completion.token_versions``; ``train/token_lag_*``). A completion's ``version`` is the one
+its generation started at. Checkpoints keep every finished prompt group and resubmit the others from their prompts.
 """
 
 from __future__ import annotations

@@ -375,6 +375,8 @@ class VLLMServerEngine:
         version's over its whole prefix), tokens streamed from then on are tagged ``version``, and the servers resume
         the same requests. Call on every rank."""
         self.pushes += 1
+        # the export first: the servers are paused only for the transfer itself
+        shm_tensors = self._gather_for_shm(model) if "shm" in self.backends.values() else None
         self.all_ranks(lambda: self._post_all("/pause?mode=keep"), "the in-flight pause", after_update=True)
         # tokens sampled before the pause may still be on their way (engine -> API server -> stream): they belong to
         # the outgoing version, so wait until this rank's streams have been silent a moment before tagging anew
@@ -382,7 +384,6 @@ class VLLMServerEngine:
         for url in self.urls:
             while self.progress.idle_s(url, paused_at) < QUIET_S and time.monotonic() - paused_at < 10 * QUIET_S:
                 time.sleep(QUIET_S / 5)
-        shm_tensors = self._gather_for_shm(model) if "shm" in self.backends.values() else None
 
         def push() -> None:
             for url in self.urls:
