@@ -187,7 +187,7 @@ def test_varlen_registration_runs_packed_rows_as_eager_does(rows, monkeypatch):
     ALL_MASK_ATTENTION_FUNCTIONS) runs a packed micro-batch through the varlen function with cu_seq_lens and no mask
     (the per-sequence stand-in on the CPU), with gradients; its log-probs and gradients equal eager's padded ones to
     fp32 rounding (measured: 3.8e-6 on a log-prob, 1.7e-5 on a gradient element), and a padded forward (the HF
-    engine's decode) falls back to sdpa."""
+    engine's decode, no cu_seq_lens) falls back to sdpa; token_logprobs runs padded rows packed on it."""
     import common.attention as attention
 
     ids, mask = rows
@@ -209,8 +209,15 @@ def test_varlen_registration_runs_packed_rows_as_eager_does(rows, monkeypatch):
     calls.clear()
     with torch.no_grad():
         padded, _ = token_logprobs(varlen, ids, mask, 20, 1.0, packed=False)
-    assert not calls  # sdpa with the padding mask
+    # token_logprobs runs padded rows packed on a varlen model (causal, no mask): the same calls as the packed layout
+    assert calls == [cumulative] * varlen.config.num_hidden_layers
     torch.testing.assert_close(padded, lp_eager, rtol=0, atol=1e-5)
+    calls.clear()
+    with torch.no_grad():  # a plain padded forward (the HF engine's decode: no cu_seq_lens) falls back to sdpa
+        logits = varlen(input_ids=ids, attention_mask=mask).logits
+    assert not calls
+    real = mask.bool()  # padding positions attend to nothing: their logits are each kernel's own garbage
+    torch.testing.assert_close(logits[real], eager(input_ids=ids, attention_mask=mask).logits[real], rtol=0, atol=1e-4)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="torch's varlen kernel is CUDA-only")
