@@ -142,6 +142,10 @@ class Args:
     """tokens per forward/backward, sequences packed without padding (replaces --micro-batch-size; 0 = padded rows)"""
     gradient_checkpointing: bool = False
     """recompute each layer's activations in the backward pass: less memory for ~30% more compute (long completions)"""
+    checkpointing_policy: Literal["full", "op", "every-2"] = "full"
+    """what --gradient-checkpointing recomputes: every layer, torchtitan's per-op selective policy, every 2nd layer"""
+    compile: bool = False
+    """torch.compile each decoder layer on its own (torchtitan-style; the first step compiles for tens of seconds)"""
     max_bad_steps: int = 5
     """abort after this many consecutive steps with a non-finite loss or gradient (each is skipped)"""
     dry_run: bool = False

@@ -146,6 +146,10 @@ class Args:
     """tokens per forward/backward, sequences packed without padding (replaces --micro-batch-size; 0 = padded rows)"""
     gradient_checkpointing: bool = False
     """recompute each layer's activations in the backward pass: less memory for ~30% more compute (long completions)"""
+    checkpointing_policy: Literal["full", "op", "every-2"] = "full"
+    """what --gradient-checkpointing recomputes: every layer, torchtitan's per-op selective policy, every 2nd layer"""
+    compile: bool = False
+    """torch.compile each decoder layer on its own (torchtitan-style; the first step compiles for tens of seconds)"""
     max_bad_steps: int = 5
     """abort after this many consecutive steps with a non-finite loss or gradient (each is skipped)"""
     dry_run: bool = False
@@ -336,8 +340,7 @@ def main() -> None:
     task = load_task(args)
     tokenizer = load_tokenizer(run.model_path)
     raw_model = load_model(run, gradient_checkpointing=args.gradient_checkpointing, lora=args.lora)
-    # ALGO LOGIC: the frozen reference (the implicit reward's denominator) and the implicit PRM, a trained copy of the
-    # base model with its own optimiser at a constant learning rate (PRIME: no warm-up)
+    # ALGO LOGIC: frozen reference (implicit reward's denominator); implicit PRM: the base, own optimiser, constant lr
     ref_model = reference_model(run, raw_model)  # the base model (LoRA: the policy, adapters off)
     raw_prm = load_model(run, gradient_checkpointing=args.gradient_checkpointing)
     prm_optimizer = torch.optim.AdamW(
