@@ -159,11 +159,14 @@ def test_variants_parse_against_the_scripts_settings(mfu_check):
     assert mfu_check.forward_only(flex, cpu) and not mfu_check.forward_only(flex, cuda)
 
 
-def test_mfu_check_smoke(tmp_path, mfu_check):
-    """What CI runs: every default variant on two tiny rows (full fine-tuning and LoRA), one timed step each, the
-    first variant of each row profiled, each variant through the code in common/ the scripts run (~50 s on this
-    shared 2-core machine under load, ~20 s of it flex attention's one compile)."""
+@pytest.mark.parametrize("with_flex", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_mfu_check_smoke(tmp_path, mfu_check, with_flex):
+    """Every default variant on two tiny rows (full fine-tuning and LoRA), one timed step each, the first variant of
+    each row profiled, each variant through the code in common/ the scripts run. The main suite leaves out the flex
+    variants (~20 s of flex attention's one compile on a CPU); ``-m slow`` runs them all (~50 s under load)."""
+    variants = [v for v in mfu_check.DEFAULT_VARIANTS if with_flex or "attention=flex" not in v]
     cmd = [sys.executable, str(REPO / "benchmarks" / "mfu_check.py"), "--smoke", "--peak-tflops", "1"]
+    cmd += ["--variants", *variants]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     result = subprocess.run([*cmd, "--out", str(tmp_path)], capture_output=True, text=True, timeout=300, env=env)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
@@ -172,7 +175,7 @@ def test_mfu_check_smoke(tmp_path, mfu_check):
     assert data["env"]["scripts_head"] == "fp32"
     records = data["records"]
     assert [(r["row"], r["variant"]) for r in records] == [
-        (row, variant) for row in ("smoke", "smoke-lora") for variant in mfu_check.DEFAULT_VARIANTS
+        (row, variant) for row in ("smoke", "smoke-lora") for variant in variants
     ]
     for r in records:
         if r["status"].startswith("skipped"):  # flex compiles on the first smoke row only
@@ -194,6 +197,6 @@ def test_mfu_check_smoke(tmp_path, mfu_check):
             assert 0 <= gap["vllm_on"] < gap["vllm_off"], r
             if r["settings"]["head"] == "bf16-fp32-out":
                 assert gap["vllm_on"] == 0
-    assert sum(r["status"].startswith("skipped") for r in records) == 1
+    assert sum(r["status"].startswith("skipped") for r in records) == (1 if with_flex else 0)
     table = (tmp_path / "results.md").read_text()
     assert "smoke run on the CPU" in table and "| smoke | attention=varlen | ok |" in table
