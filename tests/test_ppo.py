@@ -198,7 +198,7 @@ def test_micro_batches_accumulate_to_the_minibatch_gradient(ppo):
 # ---------------------------------------------------------------- critic alignment
 def test_values_are_read_at_the_position_before_each_token(ppo):
     # a stub critic whose output at position p is p: the value of completion token t is read at P + t - 1
-    stub = lambda input_ids, attention_mask, position_ids, use_cache: SimpleNamespace(
+    stub = lambda input_ids, attention_mask, position_ids, use_cache, **varlen_kwargs: SimpleNamespace(
         logits=torch.arange(input_ids.shape[1], dtype=torch.float)[None, :, None].expand(input_ids.shape[0], -1, 1)
     )  # noqa: E731
     ids = torch.zeros(2, 7, dtype=torch.long)  # prompt width 4, completion width 3

@@ -68,7 +68,15 @@ def test_unusable_cuda_stops_a_gpu_run(monkeypatch):
 def tiny_run(model_path=str(TINY_MODEL_DIR)):
     """The fields of a ``Run`` that ``load_model`` reads, for the tiny model on the CPU."""
     return SimpleNamespace(
-        model_path=model_path, dtype=torch.float32, attn_implementation="eager", device=torch.device("cpu"), fsdp=False
+        model_path=model_path,
+        dtype=torch.float32,
+        attn_implementation="eager",
+        device=torch.device("cpu"),
+        fsdp=False,
+        checkpointing_policy="full",
+        compile_layers=False,
+        bf16_autocast=False,
+        seed=0,
     )
 
 
