@@ -38,9 +38,7 @@ def launch(tmp_path, name, nproc, algo="grpo", extra=()):
     return launch_script(algo, args, nproc)
 
 
-@pytest.mark.parametrize(
-    "algo", [a if a in ("grpo", "scalerl") else pytest.param(a, marks=pytest.mark.slow) for a in SCRIPT_FLAGS]
-)
+@pytest.mark.parametrize("algo", [a if a == "grpo" else pytest.param(a, marks=pytest.mark.slow) for a in SCRIPT_FLAGS])
 def test_two_processes_match_one(tmp_path, algo):
     one = launch(tmp_path, "one", 1, algo)
     two = launch(tmp_path, "two", 2, algo)

@@ -43,7 +43,7 @@ def read_metrics(run_dir) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-RESUME_IN_MAIN = {"grpo", "cispo", "dapo", "ppo"}  # the rest run under -m slow (keeps the main suite in its budget)
+RESUME_IN_MAIN = {"grpo", "dapo", "ppo"}  # the rest run under -m slow (keeps the main suite in its budget)
 
 
 @pytest.mark.parametrize(
