@@ -350,25 +350,8 @@ class VLLMServerEngine:
         self.pushes += 1
         shm_tensors = self._gather_for_shm(model) if "shm" in self.backends.values() else None
 
-        def push() -> None:  # rank 0 drives the routes (the NCCL sender: every rank joins its gather)
-            for url in self.urls:
-                if self.backends[url] == "shm":
-                    if self.rank == 0:
-                        self._push_shm(url, shm_tensors)
-                else:
-                    self._push_nccl(url, model)
-            if self.rank == 0:
-                for url in self.urls:
-                    reset_prefix_cache(url, self.timeout, self.retries)  # its KV came from the old weights
-
-        def check() -> None:  # every rank, once rank 0 is done (the failure all-reduce in between is the barrier)
-            for url in self.urls:  # a read: retried, unlike the weight routes
-                served = http(url, "/weight_info", timeout=self.timeout, retries=self.retries).get("weight_version")
-                if served != self.version:
-                    raise RolloutServerError(f"{url} serves weight version {served!r} after the push of {self.version}")
-
-        self.all_ranks(push, "the weight push", after_update=True)
-        self.all_ranks(check, "the weight push", after_update=True)
+        self.all_ranks(lambda: self._transfer(model, shm_tensors), "the weight push", after_update=True)
+        self.all_ranks(self._check_served_version, "the weight push", after_update=True)
 
     @torch.no_grad()
     def update_weights_in_flight(self, model: torch.nn.Module, version: int) -> None:
@@ -389,27 +372,34 @@ class VLLMServerEngine:
             while self.progress.idle_s(url, paused_at) < QUIET_S and time.monotonic() - paused_at < 10 * QUIET_S:
                 time.sleep(QUIET_S / 5)
 
-        def push() -> None:
-            for url in self.urls:
-                if self.backends[url] == "shm":
-                    if self.rank == 0:
-                        self._push_shm(url, shm_tensors)
-                else:
-                    self._push_nccl(url, model)
-            if self.rank == 0:
-                for url in self.urls:  # preempt the frozen requests: their KV came from the old weights
-                    reset_prefix_cache(url, self.timeout, self.retries, reset_running=True)
-
-        def check() -> None:
-            for url in self.urls:
-                served = http(url, "/weight_info", timeout=self.timeout, retries=self.retries).get("weight_version")
-                if served != self.version:
-                    raise RolloutServerError(f"{url} serves weight version {served!r} after the push of {self.version}")
-
-        self.all_ranks(push, "the weight push", after_update=True)
+        self.all_ranks(
+            lambda: self._transfer(model, shm_tensors, reset_running=True), "the weight push", after_update=True
+        )
         self.token_version = version  # every rank, before any server resumes (the check below is the barrier)
-        self.all_ranks(check, "the weight push", after_update=True)
+        self.all_ranks(self._check_served_version, "the weight push", after_update=True)
         self.all_ranks(self._resume_servers, "the in-flight resume", after_update=True)
+
+    def _transfer(self, model: torch.nn.Module, shm_tensors, reset_running: bool = False) -> None:
+        """Send the weights to every server (rank 0 drives the routes; every rank joins an NCCL sender's gather),
+        then reset each server's prefix cache, whose KV came from the old weights; ``reset_running`` also preempts
+        the running requests so that their KV is recomputed (in flight)."""
+        for url in self.urls:
+            if self.backends[url] == "shm":
+                if self.rank == 0:
+                    self._push_shm(url, shm_tensors)
+            else:
+                self._push_nccl(url, model)
+        if self.rank == 0:
+            for url in self.urls:
+                reset_prefix_cache(url, self.timeout, self.retries, reset_running=reset_running)
+
+    def _check_served_version(self) -> None:
+        """Every rank, once rank 0 is done (the failure all-reduce in between is the barrier): each server serves
+        this run's current weight version. A read: retried, unlike the weight routes."""
+        for url in self.urls:
+            served = http(url, "/weight_info", timeout=self.timeout, retries=self.retries).get("weight_version")
+            if served != self.version:
+                raise RolloutServerError(f"{url} serves weight version {served!r} after the push of {self.version}")
 
     def _post_all(self, path: str) -> None:
         """POST ``path`` to every server (rank 0 only; the others wait in ``all_ranks``); never retried."""

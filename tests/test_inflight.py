@@ -10,6 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
 import pytest
+from test_async_rollout import Books as LagBooks
 
 from common.async_rollout import LaggedRollouts
 from common.engine_base import Completion, RolloutConfig
@@ -20,21 +21,8 @@ from common.rollout_client import _merge_event
 TARGET = {4: 2, 5: 1}
 
 
-class Books:
-    """The parts of Bookkeeper the schedule uses: 2 prompts per step, prompt i = [its target version, 100 + i]."""
-
-    def __init__(self):
-        self.cursor, self.prompt_indices, self.state = 0, [], {}
-        self.run = SimpleNamespace(world=1, rank=0)
-
-    def next_prompts(self):
-        indices = [self.cursor, self.cursor + 1]
-        self.cursor += 2
-        self.prompt_indices = indices
-        return self.prompts_at(indices)
-
-    def register(self, name, obj):
-        self.state[name] = obj
+class Books(LagBooks):
+    """test_async_rollout's stand-in for Bookkeeper; prompt i = [its target version, 100 + i]."""
 
     def prompts_at(self, indices):
         return [{"i": i} for i in indices], [[TARGET.get(i, 0), 100 + i] for i in indices]
