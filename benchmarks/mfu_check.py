@@ -27,8 +27,8 @@ the code in ``common/`` the scripts run:
                                             padded rows then run packed; flex: transformers' flex_attention)
   lora-base=fp32|bf16                       the frozen LoRA base's matmuls (bf16: ``hold_frozen_linears_in_bf16``,
                                             the scripts' on CUDA)
-  checkpointing=full|op|every-2|off         ``common.runtime.enable_checkpointing``'s policies, or none
-  compile=off|layers                        ``common.runtime.compile_layers`` (the smoke run: dynamo's eager
+  checkpointing=full|op|every-2|off         ``common.learner_speed.enable_checkpointing``'s policies, or none
+  compile=off|layers                        ``common.learner_speed.compile_layers`` (the smoke run: dynamo's eager
                                             backend, the same graph capture without inductor's compile time)
 On the CPU flex attention has no backward: its smoke variant times the forward alone (status "ok (forward only)"),
 on the first row only (each compiles for ~20 s on a CPU).
@@ -69,10 +69,10 @@ sys.path.insert(0, str(REPO))
 from benchmarks import gpu_check  # noqa: E402
 from common.attention import register_varlen  # noqa: E402
 from common.head_precision import PRECISIONS  # noqa: E402
+from common.learner_speed import compile_layers, enable_checkpointing, fuse_adamw, hold_frozen_linears_in_bf16  # noqa: E402
 from common.logprobs import token_logprobs  # noqa: E402
 from common.packing import attention_implementation  # noqa: E402
 from common.rollout import RolloutConfig, use_fp32_head  # noqa: E402
-from common.runtime import compile_layers, enable_checkpointing, fuse_adamw, hold_frozen_linears_in_bf16  # noqa: E402
 
 TARGET_MFU = 0.40
 # the issue's target rows: (model config, micro-batch, sequence length, checkpointing, LoRA rank)

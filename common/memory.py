@@ -23,7 +23,8 @@ embeddings once) and the run's flags. Per GPU, with P parameters per model:
   forward runs before the update, without gradients, so only its weights count at the peak.
 * LoRA (``--lora.rank r``, ``common/lora.py``): the policy's base is frozen, in the trainer's weight dtype (4P, 2P
   with ``--dtype bfloat16``; under bf16 autocast and not sharded, its decoder matmuls at 2 bytes,
-  ``common.runtime.hold_frozen_linears_in_bf16``, and no autocast casts of them), with no gradients or AdamW state;
+  ``common.learner_speed.hold_frozen_linears_in_bf16``, and no autocast casts of them), with no gradients or AdamW
+  state;
   its adapters, A = r x in and B = out x r per adapted
   linear layer, train in fp32 (16 bytes per adapter parameter). No reference loads: it is the policy with its
   adapters disabled. A critic or PRM stays fully trained. Activations are planned as without LoRA (the adapters'
@@ -54,8 +55,8 @@ embeddings once) and the run's flags. Per GPU, with P parameters per model:
 * the log-prob head's chunk (``common/logprobs.py``): ``LOGPROB_CHUNK`` completion tokens (or all of them, when
   fewer) x vocab fp32 logits and their log-softmax, and in the backward pass their two gradients: 4 such buffers at
   the peak, whatever the number of rows, padded or packed.
-* AdamW's step: fused on CUDA (``common.runtime.fuse_adamw``), in place: no temporary beside the gradients (torch's
-  foreach default, with which the committed H100 rows were measured, allocates one as large as the gradients).
+* AdamW's step: fused on CUDA (``common.learner_speed.fuse_adamw``), in place: no temporary beside the gradients
+  (torch's foreach default, with which the committed H100 rows were measured, allocates one as large as the gradients).
 * ``--rollout.fp32-lm-head on``: the bf16x3 head's two bf16 copies of the head weight (4 V H bytes).
 * ``--checkpointing-policy``: every-2 keeps half the layers' activations, op is planned as no checkpointing (an
   upper bound).
@@ -254,7 +255,7 @@ def plan_memory(
     gradients = max(policy_state, second_state)
     frozen = (wbytes * p if adapters else 0.0) / shards * on_gpu  # LoRA: the policy's frozen base
     # under bf16 autocast on CUDA (not sharded) the base's decoder matmuls are held in bf16
-    # (common.runtime.hold_frozen_linears_in_bf16): 2 bytes each, no autocast casts of them
+    # (common.learner_speed.hold_frozen_linears_in_bf16): 2 bytes each, no autocast casts of them
     bf16_base = bool(adapters) and autocast and not fsdp
     if bf16_base:
         frozen -= 2 * decoder_matmul_params(shape)
@@ -295,7 +296,7 @@ def plan_memory(
         label = "FSDP gathered units (root + 2 layers, weights and gradients)"
         components.append((label + (" of one model at a time" if second else ""), max(gathered_units, second_units)))
     trainer_state = sum(b for _, b in components)
-    # AdamW steps fused on CUDA (common.runtime.fuse_adamw): no foreach temporary beside the gradients
+    # AdamW steps fused on CUDA (common.learner_speed.fuse_adamw): no foreach temporary beside the gradients
     components.append(("AdamW step temporary (fused on CUDA: none)", 0.0))
     ckpt = args.gradient_checkpointing
     policy = getattr(args, "checkpointing_policy", "full") if ckpt else "none"
@@ -316,7 +317,7 @@ def plan_memory(
     chunk = min(LOGPROB_CHUNK, completion_tokens)
     components.append((f"log-prob head chunk ({chunk} tokens x {shape.vocab} fp32 x 4)", head))
     saved = saved_bytes(shape, tokens, mask_len, completion_tokens, bf16_act, ckpt)
-    if policy in ("op", "every-2"):  # selective checkpointing (common.runtime.enable_checkpointing)
+    if policy in ("op", "every-2"):  # selective checkpointing (common.learner_speed.enable_checkpointing)
         kept = saved_bytes(shape, tokens, mask_len, completion_tokens, bf16_act, False)
         # every-2: half the layers keep everything; op: planned as keeping everything (an upper bound: it recomputes
         # every second matmul and the elementwise work)

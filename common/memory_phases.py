@@ -136,7 +136,7 @@ def update_phases(
       as it goes).
     * ``step``: AdamW (``torch.optim.AdamW``, foreach on CUDA) allocates one temporary as large as the trained
       state's gradients (its ``_foreach_sqrt`` of the second moments) beside the gradients; the fused kernel the
-      scripts now step with on CUDA (``common.runtime.fuse_adamw``; ``adamw_temporary`` False) updates in place.
+      scripts now step with on CUDA (``common.learner_speed.fuse_adamw``; ``adamw_temporary`` False) updates in place.
       The H100 rows of benchmarks/results/gpu/ were measured with foreach.
 
     These are one trained model's moments. A script that trains two (ppo.py's critic, prime.py's PRM, each updated

@@ -9,9 +9,9 @@ from transformers import AutoModelForCausalLM
 
 from common.attention import per_sequence_attention, register_varlen, varlen_kwargs
 from common.data import TINY_MODEL_DIR
+from common.learner_speed import compile_layers, enable_checkpointing, fuse_adamw, hold_frozen_linears_in_bf16
 from common.logprobs import token_logprobs
 from common.lora import LoraConfig, apply_lora
-from common.runtime import compile_layers, enable_checkpointing, fuse_adamw, hold_frozen_linears_in_bf16
 
 
 def tiny(attention: str = "eager") -> torch.nn.Module:

@@ -97,7 +97,7 @@ def test_lora_plans_a_frozen_base_fp32_adapters_and_no_reference():
     """Qwen2.5-Math-1.5B, rank 16 on every linear layer: adapters r x (in + out) per layer by hand (q: 1536 -> 1536,
     k and v: 1536 -> 256, o: 1536 -> 1536, gate and up: 1536 -> 8960, down: 8960 -> 1536, 28 layers, no LM head);
     a frozen base, 16 bytes per adapter parameter, no reference (the adapters disabled). Under bf16 autocast (the
-    CUDA default) the base's decoder matmuls are held at 2 bytes (common.runtime.hold_frozen_linears_in_bf16), the
+    CUDA default) the base's decoder matmuls are held at 2 bytes (common.learner_speed.hold_frozen_linears_in_bf16), the
     embeddings, norms and head at 4; with --mixed-precision no all of it at 4."""
     h, kv, i, layers = 1536, 256, 8960, 28
     adapters = 16 * layers * ((h + h) + 2 * (h + kv) + (h + h) + 2 * (h + i) + (i + h))
