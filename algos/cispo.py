@@ -205,7 +205,7 @@ def policy_loss(
     ref_logprobs: torch.Tensor | None = None,
     num_tokens: float | None = None,
     is_weights: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, dict[str, float]]:
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """CISPO loss: -sg(min(r, ε_max))·A·log π (+ optional β·k3), summed over tokens and divided by ``num_tokens``.
 
     logprobs (B,T) with grad; old_logprobs, ref_logprobs (B,T) detached; advantages (B,) or (B,T);
@@ -229,17 +229,17 @@ def policy_loss(
         delta = ref_logprobs - logprobs
         k3 = torch.exp(delta) - delta - 1.0
         per_token = per_token + kl_coef * k3
-        metrics["kl"] = ((k3 * mask).sum() / mask.sum().clamp(min=1)).item()
+        metrics["kl"] = ((k3 * mask).sum() / mask.sum().clamp(min=1)).detach()
     loss = (per_token * mask).sum() / (num_tokens if num_tokens is not None else mask.sum().clamp(min=1))  # token mean
     with torch.no_grad():  # clip_frac: tokens whose IS weight was capped at ε_max (they still get gradient)
-        metrics["clip_frac"] = (((ratio > eps_max).float() * mask).sum() / mask.sum().clamp(min=1)).item()
-        metrics["is_weight"] = ((weight * mask).sum() / mask.sum().clamp(min=1)).item()
-        metrics["ratio"] = ((ratio * mask).sum() / mask.sum().clamp(min=1)).item()
+        metrics["clip_frac"] = (((ratio > eps_max).float() * mask).sum() / mask.sum().clamp(min=1)).detach()
+        metrics["is_weight"] = ((weight * mask).sum() / mask.sum().clamp(min=1)).detach()
+        metrics["ratio"] = ((ratio * mask).sum() / mask.sum().clamp(min=1)).detach()
     return loss, metrics
 
 
-def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> float:
-    return ((x * mask).sum() / mask.sum().clamp(min=1)).item()
+def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return ((x * mask).sum() / mask.sum().clamp(min=1)).detach()
 
 
 def main() -> None:
@@ -373,7 +373,7 @@ def main() -> None:
                             is_weights=is_weights,
                         )
                         accelerator.backward(loss)
-                    minibatch_loss += loss.item()
+                    minibatch_loss += loss.detach().double()  # float64, as .item() summed it; no sync
                     loss_stats["entropy"] = masked_mean(entropy, completion_mask[rows])
                     if epoch == 0 and start == 0:  # sampler vs trainer log-prob gap, on the untouched policy
                         gap = (logprobs.detach() - rollout_logprobs[rows]).abs()

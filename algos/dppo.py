@@ -257,7 +257,7 @@ def policy_loss(
     kl_coef: float = 0.0,
     ref_logprobs: torch.Tensor | None = None,
     num_sequences: int | None = None,
-) -> tuple[torch.Tensor, dict[str, float]]:
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """DPPO loss: -sg(min(ρ, C))·sg(M)·Â·log π (+ β·k3), Σ over tokens / (``num_sequences`` × ``max_new_tokens``).
 
     logprobs (B,T) with grad; old_logprobs (B,T) are μ, the ROLLOUT policy's log-probs (the sampler's);
@@ -288,16 +288,16 @@ def policy_loss(
     loss = torch.where(valid, per_token, 0.0).sum() / normaliser
     with torch.no_grad():
         pos, neg = valid & (adv > 0), valid & (adv < 0)
-        metrics["clip_frac"] = (blocked.sum() / valid.sum().clamp(min=1)).item()  # masked fraction of all tokens
-        metrics["masked_frac_pos"] = ((blocked & pos).sum() / pos.sum().clamp(min=1)).item()  # of the Â > 0 tokens
-        metrics["masked_frac_neg"] = ((blocked & neg).sum() / neg.sum().clamp(min=1)).item()  # of the Â < 0 tokens
+        metrics["clip_frac"] = (blocked.sum() / valid.sum().clamp(min=1)).detach()  # masked fraction of all tokens
+        metrics["masked_frac_pos"] = ((blocked & pos).sum() / pos.sum().clamp(min=1)).detach()  # of the Â > 0 tokens
+        metrics["masked_frac_neg"] = ((blocked & neg).sum() / neg.sum().clamp(min=1)).detach()  # of the Â < 0 tokens
         metrics["ratio"] = masked_mean(ratio, mask)
         metrics["tv"] = masked_mean((logprobs.detach().exp() - old_logprobs.exp()).abs(), mask)
     return loss, metrics
 
 
-def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> float:
-    return ((x * mask).sum() / mask.sum().clamp(min=1)).item()
+def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return ((x * mask).sum() / mask.sum().clamp(min=1)).detach()
 
 
 def main() -> None:
@@ -426,7 +426,7 @@ def main() -> None:
                             num_sequences=minibatch_size,
                         )
                         accelerator.backward(loss)
-                    minibatch_loss += loss.item()
+                    minibatch_loss += loss.detach().double()  # float64, as .item() summed it; no sync
                     loss_stats["entropy"] = masked_mean(entropy, completion_mask[rows])
                     if epoch == 0 and start == 0:  # sampler vs trainer log-prob gap, on the untouched policy
                         gap = (logprobs.detach() - rollout_logprobs[rows]).abs()

@@ -195,7 +195,7 @@ def policy_loss(
     ref_logprobs: torch.Tensor | None = None,
     num_sequences: int | None = None,
     is_weights: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, dict[str, float]]:
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """GRPO loss: clipped surrogate + β·k3, per-sequence token mean, summed and divided by ``num_sequences``.
 
     logprobs (B,T) with grad; old_logprobs, ref_logprobs (B,T) detached; advantages (B,) or (B,T);
@@ -217,18 +217,18 @@ def policy_loss(
         delta = ref_logprobs - logprobs
         k3 = torch.exp(delta) - delta - 1.0
         per_token = per_token + kl_coef * k3
-        metrics["kl"] = ((k3 * mask).sum() / mask.sum().clamp(min=1)).item()
+        metrics["kl"] = ((k3 * mask).sum() / mask.sum().clamp(min=1)).detach()
     seq_loss = (per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1)  # token mean within each sequence
     loss = seq_loss.sum() / (num_sequences or logprobs.shape[0])
     with torch.no_grad():
         clipped = ((adv > 0) & (ratio > 1 + clip_eps)) | ((adv < 0) & (ratio < 1 - clip_eps))
-        metrics["clip_frac"] = ((clipped.float() * mask).sum() / mask.sum().clamp(min=1)).item()
-        metrics["ratio"] = ((ratio * mask).sum() / mask.sum().clamp(min=1)).item()
+        metrics["clip_frac"] = ((clipped.float() * mask).sum() / mask.sum().clamp(min=1)).detach()
+        metrics["ratio"] = ((ratio * mask).sum() / mask.sum().clamp(min=1)).detach()
     return loss, metrics
 
 
-def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> float:
-    return ((x * mask).sum() / mask.sum().clamp(min=1)).item()
+def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return ((x * mask).sum() / mask.sum().clamp(min=1)).detach()
 
 
 def main() -> None:
@@ -357,7 +357,7 @@ def main() -> None:
                             is_weights=is_weights,
                         )
                         accelerator.backward(loss)
-                    minibatch_loss += loss.item()
+                    minibatch_loss += loss.detach().double()  # float64, as .item() summed it; no sync
                     loss_stats["entropy"] = masked_mean(entropy, completion_mask[rows])
                     if epoch == 0 and start == 0:  # sampler vs trainer log-prob gap, on the untouched policy
                         gap = (logprobs.detach() - rollout_logprobs[rows]).abs()

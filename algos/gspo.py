@@ -218,7 +218,7 @@ def policy_loss(
     ref_logprobs: torch.Tensor | None = None,
     num_sequences: int | None = None,
     is_weights: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, dict[str, float]]:
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """GSPO loss: clipped surrogate on the sequence ratio s_i, mean over sequences, divided by ``num_sequences``.
 
     logprobs (B,T) with grad; old_logprobs, ref_logprobs (B,T) detached; advantages (B,), or (B,T) with
@@ -251,21 +251,21 @@ def policy_loss(
         delta = ref_logprobs - logprobs
         k3 = torch.exp(delta) - delta - 1.0
         per_token = per_token + kl_coef * k3
-        metrics["kl"] = ((k3 * mask).sum() / mask.sum().clamp(min=1)).item()
+        metrics["kl"] = ((k3 * mask).sum() / mask.sum().clamp(min=1)).detach()
     per_token = per_token.expand_as(mask)  # GSPO: every token of y_i carries ℓ_i, so the token mean below is ℓ_i
     seq_loss = (per_token * mask).sum(-1) / lengths  # token mean within each sequence
     loss = seq_loss.sum() / (num_sequences or logprobs.shape[0])
     with torch.no_grad():  # per sequence: the fraction of its tokens clipped (with per-response Â: 0 or 1), then mean
         clipped = ((adv > 0) & (ratio > 1 + clip_eps_high)) | ((adv < 0) & (ratio < 1 - clip_eps_low))
-        metrics["clip_frac"] = ((clipped.float().expand_as(mask) * mask).sum(-1) / lengths).mean().item()
+        metrics["clip_frac"] = ((clipped.float().expand_as(mask) * mask).sum(-1) / lengths).mean().detach()
         s_i = torch.exp(seq_log_ratio.squeeze(-1))
-        metrics["ratio"] = s_i.mean().item()
-        metrics["seq_ratio_dev"] = (s_i - 1).abs().mean().item()
+        metrics["ratio"] = s_i.mean().detach()
+        metrics["seq_ratio_dev"] = (s_i - 1).abs().mean().detach()
     return loss, metrics
 
 
-def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> float:
-    return ((x * mask).sum() / mask.sum().clamp(min=1)).item()
+def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return ((x * mask).sum() / mask.sum().clamp(min=1)).detach()
 
 
 def main() -> None:
@@ -396,7 +396,7 @@ def main() -> None:
                             is_weights=is_weights,
                         )
                         accelerator.backward(loss)
-                    minibatch_loss += loss.item()
+                    minibatch_loss += loss.detach().double()  # float64, as .item() summed it; no sync
                     loss_stats["entropy"] = masked_mean(entropy, completion_mask[rows])
                     if epoch == 0 and start == 0:  # sampler vs trainer log-prob gap, on the untouched policy
                         gap = (logprobs.detach() - rollout_logprobs[rows]).abs()

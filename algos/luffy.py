@@ -235,7 +235,7 @@ def policy_loss(
     ref_logprobs: torch.Tensor | None = None,
     num_tokens: int | float | None = None,
     is_weights: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, dict[str, float]]:
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """LUFFY loss: PPO clip on on-policy rows, -A·f(π_θ) on teacher rows (``off_policy_mask``), token mean.
 
     logprobs (B,T) with grad; old_logprobs, ref_logprobs (B,T) detached (old_logprobs is ignored on teacher
@@ -265,7 +265,7 @@ def policy_loss(
         delta = ref_logprobs - logprobs
         k3 = torch.exp(delta) - delta - 1.0
         per_token = per_token + kl_coef * k3
-        metrics["kl"] = ((k3 * mask).sum() / mask.sum().clamp(min=1)).item()
+        metrics["kl"] = ((k3 * mask).sum() / mask.sum().clamp(min=1)).detach()
     loss = (per_token * mask).sum() / (num_tokens or mask.sum().clamp(min=1))  # token mean over the mini-batch
     with torch.no_grad():
         on_mask, off_mask = mask * (~off).float(), mask * off.float()
@@ -275,14 +275,14 @@ def policy_loss(
             else torch.zeros_like(off)
         )
         if on_mask.sum() > 0:  # policy-token statistics, only from micro-batches that hold the policy's own samples
-            metrics["clip_frac"] = ((clipped.float() * on_mask).sum() / on_mask.sum()).item()
-            metrics["ratio"] = ((ratio * on_mask).sum() / on_mask.sum()).item()
+            metrics["clip_frac"] = ((clipped.float() * on_mask).sum() / on_mask.sum()).detach()
+            metrics["ratio"] = ((ratio * on_mask).sum() / on_mask.sum()).detach()
         if off_mask.sum() > 0:  # teacher-token statistics, only from micro-batches that hold a teacher trace
             p = prob.detach()
-            metrics["teacher_prob"] = ((p * off_mask).sum() / off_mask.sum()).item()
-            metrics["teacher_f"] = ((shaping_fn(p, shaping_gamma) * off_mask).sum() / off_mask.sum()).item()
+            metrics["teacher_prob"] = ((p * off_mask).sum() / off_mask.sum()).detach()
+            metrics["teacher_f"] = ((shaping_fn(p, shaping_gamma) * off_mask).sum() / off_mask.sum()).detach()
             weight = shaping_gamma * p / (p + shaping_gamma) ** 2 if shaping else p  # coefficient of -A·∇log π_θ
-            metrics["teacher_grad_weight"] = ((weight * off_mask).sum() / off_mask.sum()).item()
+            metrics["teacher_grad_weight"] = ((weight * off_mask).sum() / off_mask.sum()).detach()
     return loss, metrics
 
 
@@ -307,8 +307,8 @@ def teacher_completions(
     return out
 
 
-def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> float:
-    return ((x * mask).sum() / mask.sum().clamp(min=1)).item()
+def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return ((x * mask).sum() / mask.sum().clamp(min=1)).detach()
 
 
 def main() -> None:
@@ -460,7 +460,7 @@ def main() -> None:
                             is_weights=is_weights,
                         )
                         accelerator.backward(loss)
-                    minibatch_loss += loss.item()
+                    minibatch_loss += loss.detach().double()  # float64, as .item() summed it; no sync
                     if on_mask.sum() > 0:  # length-sorted micro-batches can hold teacher traces only
                         loss_stats["entropy"] = masked_mean(entropy, on_mask)
                     if off_policy[rows].any():

@@ -207,7 +207,7 @@ def policy_loss(
     ref_logprobs: torch.Tensor | None = None,
     num_tokens: float | torch.Tensor | None = None,
     is_weights: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, dict[str, float]]:
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """MaxRL loss: REINFORCE -Â·π/π_old (+ β·k3), summed over tokens and divided by ``num_tokens``.
 
     logprobs (B,T) with grad; old_logprobs (B,T) detached (on-policy: logprobs.detach(), so the ratio is 1
@@ -238,8 +238,8 @@ def policy_loss(
     return loss, metrics
 
 
-def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> float:
-    return ((x * mask).sum() / mask.sum().clamp(min=1)).item()
+def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return ((x * mask).sum() / mask.sum().clamp(min=1)).detach()
 
 
 def main() -> None:
@@ -377,7 +377,7 @@ def main() -> None:
                             is_weights=is_weights,
                         )
                         accelerator.backward(loss)
-                    minibatch_loss += loss.item()
+                    minibatch_loss += loss.detach().double()  # float64, as .item() summed it; no sync
                     loss_stats["entropy"] = masked_mean(entropy, completion_mask[rows])
                     if epoch == 0 and start == 0:  # sampler vs trainer log-prob gap, on the untouched policy
                         gap = (logprobs.detach() - rollout_logprobs[rows]).abs()

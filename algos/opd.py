@@ -238,7 +238,7 @@ def policy_loss(
     kl_coef: float = 0.0,
     ref_logprobs: torch.Tensor | None = None,
     num_tokens: float | None = None,
-) -> tuple[torch.Tensor, dict[str, float]]:
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """OPD loss, tinker's ``importance_sampling``: -ρ·A with ρ = π_θ/μ (+ β·k3), summed and divided by ``num_tokens``.
 
     logprobs (B,T) with grad; old_logprobs (B,T) are μ, the SAMPLER's log-probs (ρ carries the gradient and is never
@@ -264,8 +264,8 @@ def policy_loss(
     return loss, metrics
 
 
-def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> float:
-    return ((x * mask).sum() / mask.sum().clamp(min=1)).item()
+def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return ((x * mask).sum() / mask.sum().clamp(min=1)).detach()
 
 
 def main() -> None:
@@ -402,7 +402,7 @@ def main() -> None:
                             num_tokens=num_tokens,
                         )
                         accelerator.backward(loss)
-                    minibatch_loss += loss.item()
+                    minibatch_loss += loss.detach().double()  # float64, as .item() summed it; no sync
                     loss_stats["entropy"] = masked_mean(entropy, completion_mask[rows])
                     if epoch == 0 and start == 0:  # sampler vs trainer log-prob gap, on the untouched policy
                         gap = (logprobs.detach() - rollout_logprobs[rows]).abs()

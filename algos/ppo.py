@@ -255,7 +255,7 @@ def policy_loss(
     clip_eps: float = 0.2,
     num_tokens: float | None = None,
     is_weights: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, dict[str, float]]:
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO clipped surrogate, token mean: Σ_{i,t} m·ℓ / ``num_tokens``.
 
     logprobs (B,T) with grad; old_logprobs (B,T) detached; advantages (B,T) (or (B,)); mask (B,T).
@@ -274,8 +274,8 @@ def policy_loss(
     metrics = {}
     with torch.no_grad():
         clipped = ((adv > 0) & (ratio > 1 + clip_eps)) | ((adv < 0) & (ratio < 1 - clip_eps))
-        metrics["clip_frac"] = ((clipped.float() * mask).sum() / mask.sum().clamp(min=1)).item()
-        metrics["ratio"] = ((ratio * mask).sum() / mask.sum().clamp(min=1)).item()
+        metrics["clip_frac"] = ((clipped.float() * mask).sum() / mask.sum().clamp(min=1)).detach()
+        metrics["ratio"] = ((ratio * mask).sum() / mask.sum().clamp(min=1)).detach()
     return loss, metrics
 
 
@@ -286,7 +286,7 @@ def value_loss(
     mask: torch.Tensor,
     clip: float = 0.2,
     num_tokens: float | None = None,
-) -> tuple[torch.Tensor, dict[str, float]]:
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Clipped value loss ½·max((V - R̂)², (V_old + clip(V - V_old, -c, c) - R̂)²), token mean over ``num_tokens``.
 
     values (B,T) with grad; old_values, returns (B,T) detached; mask (B,T). The max makes it pessimistic: the
@@ -298,7 +298,7 @@ def value_loss(
     per_token = 0.5 * torch.max(unclipped_err, clipped_err)
     loss = (per_token * mask).sum() / (num_tokens or mask.sum().clamp(min=1))
     with torch.no_grad():
-        frac = (((clipped_err > unclipped_err).float() * mask).sum() / mask.sum().clamp(min=1)).item()
+        frac = (((clipped_err > unclipped_err).float() * mask).sum() / mask.sum().clamp(min=1)).detach()
     return loss, {"value_clip_frac": frac}
 
 
@@ -311,12 +311,12 @@ def critic_values(critic, input_ids, attention_mask, completion_width: int, pack
     return layout.scatter(out[layout.source].float())
 
 
-def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> float:
-    return ((x * mask).sum() / mask.sum().clamp(min=1)).item()
+def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return ((x * mask).sum() / mask.sum().clamp(min=1)).detach()
 
 
 def masked_var(x: torch.Tensor, mask: torch.Tensor) -> float:
-    return masked_mean((x - masked_mean(x, mask)) ** 2, mask)
+    return masked_mean((x - masked_mean(x, mask)) ** 2, mask).item()
 
 
 def main() -> None:
@@ -477,7 +477,7 @@ def main() -> None:
                         num_tokens=num_tokens,
                     )
                     accelerator.backward(loss)
-                minibatch_loss += loss.item()
+                minibatch_loss += loss.detach().double()  # float64, as .item() summed it; no sync
                 update_stats.setdefault("value_clip_frac", []).append(loss_stats["value_clip_frac"])
             grad_norm = accelerator.clip_grad_norm_(critic.parameters(), args.max_grad_norm)
             if math.isfinite(float(grad_norm)) and math.isfinite(minibatch_loss):
@@ -528,7 +528,7 @@ def main() -> None:
                             is_weights=is_weights,
                         )
                         accelerator.backward(loss)
-                    minibatch_loss += loss.item()
+                    minibatch_loss += loss.detach().double()  # float64, as .item() summed it; no sync
                     loss_stats["entropy"] = masked_mean(entropy, completion_mask[rows])
                     if epoch == 0 and start == 0:  # sampler vs trainer log-prob gap, on the untouched policy
                         gap = (logprobs.detach() - rollout_logprobs[rows]).abs()

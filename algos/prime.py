@@ -291,7 +291,7 @@ def policy_loss(
     ref_logprobs: torch.Tensor | None = None,
     num_tokens: float | None = None,
     is_weights: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, dict[str, float]]:
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PRIME policy loss: clipped surrogate (+ optional β·k3), token mean Σ_{i,t} m·ℓ / ``num_tokens``.
 
     logprobs (B,T) with grad; old_logprobs, ref_logprobs (B,T) detached; advantages (B,T) or (B,);
@@ -313,17 +313,17 @@ def policy_loss(
         delta = ref_logprobs - logprobs
         k3 = torch.exp(delta) - delta - 1.0
         per_token = per_token + kl_coef * k3
-        metrics["kl"] = ((k3 * mask).sum() / mask.sum().clamp(min=1)).item()
+        metrics["kl"] = ((k3 * mask).sum() / mask.sum().clamp(min=1)).detach()
     loss = (per_token * mask).sum() / (num_tokens or mask.sum().clamp(min=1))  # token mean over the mini-batch
     with torch.no_grad():
         clipped = ((adv > 0) & (ratio > 1 + clip_eps)) | ((adv < 0) & (ratio < 1 - clip_eps))
-        metrics["clip_frac"] = ((clipped.float() * mask).sum() / mask.sum().clamp(min=1)).item()
-        metrics["ratio"] = ((ratio * mask).sum() / mask.sum().clamp(min=1)).item()
+        metrics["clip_frac"] = ((clipped.float() * mask).sum() / mask.sum().clamp(min=1)).detach()
+        metrics["ratio"] = ((ratio * mask).sum() / mask.sum().clamp(min=1)).detach()
     return loss, metrics
 
 
-def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> float:
-    return ((x * mask).sum() / mask.sum().clamp(min=1)).item()
+def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return ((x * mask).sum() / mask.sum().clamp(min=1)).detach()
 
 
 def main() -> None:
@@ -470,7 +470,7 @@ def main() -> None:
                         lp, ref_logprobs[rows], completion_mask[rows], correct[rows], args.prm_beta, prm_minibatch_size
                     )
                     accelerator.backward(loss)
-                prm_logprobs[rows], prm_losses[-1] = lp.detach(), prm_losses[-1] + loss.item()
+                prm_logprobs[rows], prm_losses[-1] = lp.detach(), prm_losses[-1] + loss.detach().double()
             prm_grad_norm = accelerator.clip_grad_norm_(prm.parameters(), args.max_grad_norm)
             if math.isfinite(float(prm_grad_norm)) and math.isfinite(prm_losses[-1]):
                 prm_optimizer.step()
@@ -535,7 +535,7 @@ def main() -> None:
                             is_weights=is_weights,
                         )
                         accelerator.backward(loss)
-                    minibatch_loss += loss.item()
+                    minibatch_loss += loss.detach().double()  # float64, as .item() summed it; no sync
                     loss_stats["entropy"] = masked_mean(entropy, completion_mask[rows])
                     if epoch == 0 and start == 0:  # sampler vs trainer log-prob gap, on the untouched policy
                         gap = (logprobs.detach() - rollout_logprobs[rows]).abs()

@@ -315,7 +315,7 @@ def policy_loss(
     num_sequences: int | None = None,
     num_tokens: float | None = None,
     is_weights: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, dict[str, float]]:
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """-ρ·A per token (PPO-clipped when ``clip_eps`` is set), aggregated as a sample or a token average.
 
     logprobs (B,T) with grad; old_logprobs (B,T) detached; advantages (B,) or (B,T); mask (B,T) 1 on generated tokens
@@ -341,13 +341,13 @@ def policy_loss(
     with torch.no_grad():
         eps = clip_eps if clip_eps is not None else float("inf")
         clipped = ((adv > 0) & (ratio > 1 + eps)) | ((adv < 0) & (ratio < 1 - eps))
-        metrics["clip_frac"] = ((clipped.float() * mask).sum() / mask.sum().clamp(min=1)).item()
-        metrics["ratio"] = ((ratio * mask).sum() / mask.sum().clamp(min=1)).item()
+        metrics["clip_frac"] = ((clipped.float() * mask).sum() / mask.sum().clamp(min=1)).detach()
+        metrics["ratio"] = ((ratio * mask).sum() / mask.sum().clamp(min=1)).detach()
     return loss, metrics
 
 
-def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> float:
-    return ((x * mask).sum() / mask.sum().clamp(min=1)).item()
+def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return ((x * mask).sum() / mask.sum().clamp(min=1)).detach()
 
 
 def main() -> None:
@@ -501,7 +501,7 @@ def main() -> None:
                             is_weights=is_weights,
                         )
                         accelerator.backward(loss)
-                    minibatch_loss += loss.item()
+                    minibatch_loss += loss.detach().double()  # float64, as .item() summed it; no sync
                     loss_stats["entropy"] = masked_mean(entropy, completion_mask[rows])
                     if epoch == 0 and start == 0:  # sampler vs trainer log-prob gap, on the untouched policy
                         gap = (logprobs.detach() - rollout_logprobs[rows]).abs()

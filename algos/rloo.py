@@ -215,7 +215,7 @@ def policy_loss(
     clip_eps: float = 0.2,
     num_sequences: int | None = None,
     is_weights: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, dict[str, float]]:
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """RLOO loss: -min(ρ_i A_i, clip(ρ_i, 1-ε, 1+ε) A_i) per sequence, summed and divided by ``num_sequences``.
 
     ρ_i = exp(Σ_t m_t (log π_θ - log π_old)) is the ratio of the whole sequence's probabilities. logprobs (B,T)
@@ -238,12 +238,12 @@ def policy_loss(
     loss = seq_loss.sum() / (num_sequences or logprobs.shape[0])
     with torch.no_grad():
         clipped = ((advantages > 0) & (ratio > 1 + clip_eps)) | ((advantages < 0) & (ratio < 1 - clip_eps))
-        metrics = {"clip_frac": clipped.float().mean().item(), "ratio": ratio.mean().item()}
+        metrics = {"clip_frac": clipped.float().mean().detach(), "ratio": ratio.mean().detach()}
     return loss, metrics
 
 
-def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> float:
-    return ((x * mask).sum() / mask.sum().clamp(min=1)).item()
+def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return ((x * mask).sum() / mask.sum().clamp(min=1)).detach()
 
 
 def main() -> None:
@@ -373,7 +373,7 @@ def main() -> None:
                             is_weights=is_weights,
                         )
                         accelerator.backward(loss)
-                    minibatch_loss += loss.item()
+                    minibatch_loss += loss.detach().double()  # float64, as .item() summed it; no sync
                     loss_stats["entropy"] = masked_mean(entropy, completion_mask[rows])
                     if epoch == 0 and start == 0:  # sampler vs trainer log-prob gap, on the untouched policy
                         gap = (logprobs.detach() - rollout_logprobs[rows]).abs()

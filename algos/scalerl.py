@@ -226,7 +226,7 @@ def policy_loss(
     ref_logprobs: torch.Tensor | None = None,
     group_tokens: torch.Tensor | None = None,
     num_prompts: float | None = None,
-) -> tuple[torch.Tensor, dict[str, float]]:
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """ScaleRL loss: -sg(min(ρ, ε_max))·A·log π (+ optional β·k3), a token mean per prompt's group, mean over prompts.
 
     logprobs (B,T) with grad; old_logprobs (B,T) the sampler's, detached; ref_logprobs (B,T) detached; advantages
@@ -254,15 +254,15 @@ def policy_loss(
         delta = ref_logprobs - logprobs
         k3 = torch.exp(delta) - delta - 1.0
         per_token = per_token + kl_coef * k3
-        metrics["kl"] = ((k3 * mask).sum() / mask.sum().clamp(min=1)).item()
+        metrics["kl"] = ((k3 * mask).sum() / mask.sum().clamp(min=1)).detach()
     # prompt-level: each row's token sum over its group's token count, summed, over the number of prompts
     loss = ((per_token * mask).sum(-1) / group_tokens.clamp(min=1)).sum() / max(num_prompts, 1.0)
     with torch.no_grad():  # clip_frac: tokens whose IS weight was capped at ε_max (they still get gradient)
         tokens = mask.sum().clamp(min=1)
-        metrics["clip_frac"] = (((ratio > eps_max).float() * mask).sum() / tokens).item()
-        metrics["is_weight"] = ((weight * mask).sum() / tokens).item()
-        metrics["is_weight_std"] = (((weight - metrics["is_weight"]) ** 2 * mask).sum() / tokens).sqrt().item()
-        metrics["ratio"] = ((ratio * mask).sum() / tokens).item()
+        metrics["clip_frac"] = (((ratio > eps_max).float() * mask).sum() / tokens).detach()
+        metrics["is_weight"] = ((weight * mask).sum() / tokens).detach()
+        metrics["is_weight_std"] = (((weight - metrics["is_weight"]) ** 2 * mask).sum() / tokens).sqrt().detach()
+        metrics["ratio"] = ((ratio * mask).sum() / tokens).detach()
     return loss, metrics
 
 
@@ -289,8 +289,8 @@ class PromptPool:
         self.counts, self.retired = dict(state["counts"]), set(state["retired"])
 
 
-def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> float:
-    return ((x * mask).sum() / mask.sum().clamp(min=1)).item()
+def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return ((x * mask).sum() / mask.sum().clamp(min=1)).detach()
 
 
 def main() -> None:
@@ -432,7 +432,7 @@ def main() -> None:
                             num_prompts=num_prompts,
                         )
                         accelerator.backward(loss)
-                    minibatch_loss += loss.item()
+                    minibatch_loss += loss.detach().double()  # float64, as .item() summed it; no sync
                     loss_stats["entropy"] = masked_mean(entropy, completion_mask[rows])
                     if epoch == 0 and start == 0:  # sampler vs trainer log-prob gap, on the untouched policy
                         gap = (logprobs.detach() - rollout_logprobs[rows]).abs()

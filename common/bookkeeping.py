@@ -107,6 +107,27 @@ def rollout_stats(
     }
 
 
+def read_to_host(
+    update_stats: dict[str, list], metrics: dict[str, object]
+) -> tuple[dict[str, list[float]], dict[str, object]]:
+    """``update_stats`` and ``metrics`` with every 0-dim tensor replaced by its float, all read in one device transfer.
+
+    The update loop keeps its per-micro-batch statistics on the device, so that no micro-batch waits for the device
+    to report a number; this is where they reach the host, once a step. Values go through float64, so a float32
+    statistic reads exactly as its ``.item()`` would. Floats and other values pass through unchanged.
+    """
+    tensors = [v for values in update_stats.values() for v in values if isinstance(v, torch.Tensor)]
+    tensors += [v for v in metrics.values() if isinstance(v, torch.Tensor)]
+    if not tensors:
+        return update_stats, metrics
+    device = tensors[0].device
+    read = iter(torch.stack([t.detach().reshape(()).to(device, torch.float64) for t in tensors]).tolist())
+    stats = {
+        k: [next(read) if isinstance(v, torch.Tensor) else v for v in values] for k, values in update_stats.items()
+    }
+    return stats, {k: next(read) if isinstance(v, torch.Tensor) else v for k, v in metrics.items()}
+
+
 class Bookkeeper:
     """Run folder, metrics, resume, evaluation and checkpoint cadence, stop signals and the final save of one run.
 
@@ -234,13 +255,15 @@ class Bookkeeper:
         problems = [self.task.train_problems[i] for i in indices]
         return problems, encode_prompts(self.tokenizer, problems, self.task.template, self.run.max_prompt_tokens)
 
-    def update_is_finite(self, grad_norm: torch.Tensor | float, loss: float, update_stats: dict[str, list]) -> bool:
+    def update_is_finite(
+        self, grad_norm: torch.Tensor | float, loss: torch.Tensor | float, update_stats: dict[str, list]
+    ) -> bool:
         """Whether an optimiser step may use this gradient: a non-finite loss or gradient never reaches the weights.
 
         A skipped update is counted in ``update_stats["skipped_updates"]``; ``--max-bad-steps`` consecutive skips
-        abort the run with a message.
+        abort the run with a message. The one device sync of a mini-batch: its summed loss and its gradient norm.
         """
-        if math.isfinite(float(grad_norm)) and math.isfinite(loss):
+        if math.isfinite(float(grad_norm)) and math.isfinite(float(loss)):
             self.bad_updates = 0
             return True
         self.bad_updates += 1
@@ -261,9 +284,10 @@ class Bookkeeper:
     ) -> None:
         """Write one step's metrics: ``update_stats`` (lists over micro/mini-batches) averaged as ``train/<key>``,
         ``metrics`` as given, each averaged over the processes that logged it, plus step time, elapsed time and peak
-        memory."""
+        memory. Values may be floats or 0-dim tensors (``read_to_host``)."""
         run = self.run
         self.step_done = True
+        update_stats, metrics = read_to_host(update_stats, metrics)
         log = {f"train/{k}": sum(v) / len(v) for k, v in update_stats.items() if k != "skipped_updates"}
         log |= metrics
         log |= {f"train/{k}": v for k, v in drain_reward_stats().items()}  # e.g. code/tests_passed_frac

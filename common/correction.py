@@ -134,7 +134,7 @@ def resolve_correction(
 
 def correction_weights(
     trainer_logprobs: torch.Tensor, sampler_logprobs: torch.Tensor, mask: torch.Tensor, cfg: CorrectionConfig
-) -> tuple[torch.Tensor | None, dict[str, float]]:
+) -> tuple[torch.Tensor | None, dict[str, torch.Tensor]]:
     """``(weights, metrics)``: the detached (B, T) weights of ``cfg.mode`` (None for 'none') and the mismatch metrics.
 
     ``trainer_logprobs`` are π_old's log-probs of the sampled tokens (the detached current ones when the batch is used
@@ -149,7 +149,7 @@ def correction_weights(
     mask = mask.float()
     tokens = mask.sum().clamp(min=1)
     log_ratio = ((trainer_logprobs - sampler_logprobs) * mask).detach().float()
-    # every statistic is read back in one device sync (``_read``), not one per ``.item()``
+    # the statistics stay on the device (``_read``): a micro-batch never waits to report them
     sums = {
         "mismatch_kl_k1": (-log_ratio * mask).sum(),
         "mismatch_kl_k3": ((torch.expm1(log_ratio) - log_ratio) * mask).sum(),
@@ -184,12 +184,13 @@ def correction_weights(
 
 def _read(
     sums: dict[str, torch.Tensor], tokens: torch.Tensor, largest: torch.Tensor, extra: dict | None = None
-) -> dict[str, float]:
-    """The metrics as floats, from one host transfer: each sum / the token count (the division in Python, as a
-    per-statistic ``.item()`` gave it), the largest |log ratio| as ``log_ratio_abs_max``, and ``extra`` as they are."""
+) -> dict[str, torch.Tensor]:
+    """The metrics as 0-dim float64 tensors on the device, read to the host once a step with the other statistics
+    (``common.bookkeeping.read_to_host``): each sum / the token count (in float64, so exactly the Python division of
+    the two ``.item()`` values), the largest |log ratio| as ``log_ratio_abs_max``, and ``extra`` as they are."""
     extra = extra or {}
-    values = torch.stack([*sums.values(), tokens, largest, *extra.values()]).tolist()
+    values = torch.stack([*sums.values(), tokens, largest, *extra.values()]).double()
     count = values[len(sums)]
-    metrics = {name: value / count for name, value in zip(sums, values)}
+    metrics = {name: values[i] / count for i, name in enumerate(sums)}
     metrics["log_ratio_abs_max"] = values[len(sums) + 1]
     return metrics | dict(zip(extra, values[len(sums) + 2 :]))

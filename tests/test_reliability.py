@@ -238,3 +238,25 @@ def test_resumed_run_reports_its_step_zero_evaluation_as_eval_start(tmp_path, mo
     step_zero = [r[key] for r in read_metrics(tmp_path / "r") if r["step"] == 0 and key in r]
     assert step_zero == [0.123] and summary["eval_start"] == 0.123
     assert summary["steps"] == 2 and summary["eval_end"] is not None
+
+
+def test_statistics_kept_on_the_device_read_back_exactly_as_item_did():
+    """The update loop keeps its statistics as 0-dim tensors and sums its micro-batch losses in float64 on the
+    device; what reaches the log must be bit-for-bit what per-micro-batch ``.item()`` calls and Python sums gave."""
+    from common.bookkeeping import read_to_host
+
+    losses = [torch.tensor(0.1, dtype=torch.float32), torch.tensor(1e-8, dtype=torch.float32), torch.tensor(3.3)]
+    on_device = 0.0
+    for loss in losses:
+        on_device += loss.double()
+    as_before = 0.0
+    for loss in losses:
+        as_before += loss.item()
+    third = torch.tensor(1.0, dtype=torch.float32) / 3  # float32 1/3, whose double is not Python's 1/3
+    stats = {"loss": [on_device, 2.5], "ratio": [third], "skipped_updates": [1.0]}
+    read_stats, read_metrics = read_to_host(stats, {"train/kl": third.double() / 7, "train/lr": 1e-4, "note": "x"})
+    assert read_stats == {"loss": [as_before, 2.5], "ratio": [third.item()], "skipped_updates": [1.0]}
+    assert all(type(v) is float for values in read_stats.values() for v in values)
+    assert read_metrics == {"train/kl": third.item() / 7, "train/lr": 1e-4, "note": "x"}
+    assert third.item() != 1 / 3 and read_stats["ratio"][0] != 1 / 3  # the check can tell float32 from double
+    assert read_to_host({"a": [1.0]}, {"b": 2.0}) == ({"a": [1.0]}, {"b": 2.0})  # nothing on the device: unchanged
