@@ -77,7 +77,8 @@ def test_grpo_sharded_matches_one_process_and_resumes(tmp_path):
         assert gap < FP32_TOL
 
 
-@pytest.mark.parametrize("algo", [pytest.param("ppo", marks=pytest.mark.slow), "prime"])
+@pytest.mark.slow  # the main suite shards grpo (above); the critic and the PRM only here
+@pytest.mark.parametrize("algo", ["ppo", "prime"])
 def test_critic_and_prm_sharded_match_one_process(tmp_path, algo):
     """ppo shards its critic and prime its implicit PRM: both models' updates match one unsharded process (fp32)."""
     extra = ["--mixed-precision", "no", "--total-steps", "2"]
@@ -188,6 +189,7 @@ def test_gather_and_restore_keep_the_schedulers_own_state():
     assert fresh["optimizer"].param_groups[0]["lr"] == pytest.approx(state["optimizer"].param_groups[0]["lr"])
 
 
+@pytest.mark.slow  # packing on one process and sharding without it stay in the main suite
 def test_packed_micro_batches_on_two_processes_match_one(tmp_path):
     """--micro-batch-tokens over ranks: ppo (policy, reference, critic) packed into bins of 100 tokens, one process
     against two under DDP and under --fsdp (fp32). The ranks' sequences need different numbers of bins, so each

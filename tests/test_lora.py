@@ -172,7 +172,7 @@ def launch(tmp_path, name, nproc, *extra):
     return launch_script("grpo", ["--output-dir", str(tmp_path), "--run-name", name, *FLAGS, *extra], nproc)
 
 
-def test_a_lora_run_checkpoints_the_adapter_resumes_exactly_and_two_processes_match_one(tmp_path):
+def test_a_lora_run_checkpoints_the_adapter_and_resumes_exactly(tmp_path):
     from peft import PeftModel
 
     launch(tmp_path, "one", 1, "--total-steps", "3")
@@ -209,7 +209,12 @@ def test_a_lora_run_checkpoints_the_adapter_resumes_exactly_and_two_processes_ma
     )
     assert update_gap(weights(one, 1), weights(one, 3), weights(tmp_path / "split", 3)) < 1e-4
 
-    # two processes (DDP, then FSDP2) take the one-process step on the same global batch
+
+@pytest.mark.slow  # two-process equality without LoRA stays in the main suite (test_distributed, test_fsdp)
+def test_two_lora_processes_match_one(tmp_path):
+    """Two processes (DDP, then FSDP2) take the one-process step on the same global batch."""
+    launch(tmp_path, "one", 1, "--total-steps", "2")
+    one = tmp_path / "one"
     launch(tmp_path, "ddp", 2, "--total-steps", "2")
     launch(tmp_path, "fsdp", 2, "--total-steps", "2", "--fsdp")
     start = weights(one, 1)

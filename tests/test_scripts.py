@@ -88,6 +88,7 @@ def test_script_trains_checkpoints_and_resumes(script, tmp_path):
     assert all(torch.isfinite(v).all() for v in trained.values())
 
 
+@pytest.mark.slow  # the main suite resumes exactly in test_reliability (SIGKILL), test_lora, test_reinforce
 def test_resume_reproduces_the_uninterrupted_run(tmp_path):
     """Same data order and sampling seeds: step 3 after a resume equals step 3 of a straight run."""
     run("grpo", tmp_path, "--run-name", "full", "--total-steps", "3", "--eval-every", "10")
