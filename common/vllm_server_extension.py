@@ -3,7 +3,8 @@
 Loaded inside ``vllm serve``'s worker processes through ``--worker-extension-cls`` (``scripts/serve_rollout.py``
 passes ``common.vllm_server_extension.RolloutWorkerExtension`` on GPUs and its CPU subclass
 ``common.vllm_shm_transport.ShmWorkerExtension`` on CPUs) and called over dev mode's ``/collective_rpc``, so the
-trainer can refuse a server that serves another architecture, vocabulary or shape (``common.vllm_server.check_server``).
+trainer can refuse a server that serves another architecture, vocabulary or shape
+(``common.vllm_server_checks.check_server``).
 """
 
 from __future__ import annotations

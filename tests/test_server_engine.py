@@ -18,7 +18,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from common import rollout_client
 from common.engine_base import RolloutConfig
-from common.vllm_server import VLLMServerEngine, parse_urls
+from common.vllm_server import VLLMServerEngine
+from common.vllm_server_checks import parse_urls
 
 TINY = str(REPO / "common" / "tiny_model")
 
