@@ -115,7 +115,7 @@ def test_padding_changes_nothing(mode):
     padded_weights, padded_metrics = correction_weights(*batch(trainer_p, sampler_p, mask), cfg)
     assert padded_metrics.keys() == metrics.keys()
     for key, value in metrics.items():
-        assert padded_metrics[key] == pytest.approx(value, rel=1e-6, abs=1e-7), key
+        assert float(padded_metrics[key]) == pytest.approx(float(value), rel=1e-6, abs=1e-7), key
     if weights is None:
         assert padded_weights is None
         return
