@@ -11,9 +11,8 @@ import torch
 from conftest import load_algo
 
 from common.data import TINY_MODEL_DIR
+from common.run_checks import check_device, check_sampling_flags
 from common.runtime import (
-    check_device,
-    check_sampling_flags,
     context_budget,
     describe_processes,
     load_config,
