@@ -7,8 +7,8 @@
 
 A manifest's [[setup]] entries run first, once: a command that builds what the runs need (e.g. a warm-started
 model), skipped when the path it `creates` exists. Each run writes runs/<suite>/<label>__<seed>/ (the scripts'
-usual run folder) plus bench.json: the exact command, git commit and dirty flag, threads, start/end time, wall-
-clock and exit code. A run whose bench.json records exit code 0 is skipped unless --rerun. Runs go in parallel
+usual run folder) plus bench.json: the exact command, git commit, dirty flag and the uncommitted paths, threads,
+start/end time, wall-clock and exit code. A run whose bench.json records exit code 0 is skipped unless --rerun. Runs go in parallel
 (--jobs), each pinned to cores // jobs threads through OMP_NUM_THREADS so that parallel runs do not
 oversubscribe the CPU.
 """

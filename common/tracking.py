@@ -29,19 +29,23 @@ import numpy as np
 import torch
 
 
-def git_state() -> dict[str, object]:
-    """The repository's commit and whether the work tree has uncommitted changes."""
-    root = Path(__file__).resolve().parent.parent
+def git_state(root: Path | None = None) -> dict[str, object]:
+    """The repository's commit, whether the work tree has uncommitted changes, and which (``git status --porcelain``
+    lines, at most 40), so that a record made from a dirty tree says what was not committed. ``root``: the
+    checkout (default: this project's)."""
+    root = root or Path(__file__).resolve().parent.parent
 
     def run(*cmd: str) -> str:
         try:
-            return subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=10).stdout.strip()
+            return subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=10).stdout.rstrip()
         except (OSError, subprocess.TimeoutExpired):
             return ""
 
+    changes = [line for line in run("git", "status", "--porcelain").splitlines() if line.strip()]
     return {
         "git_commit": run("git", "rev-parse", "HEAD") or None,
-        "git_dirty": bool(run("git", "status", "--porcelain")),
+        "git_dirty": bool(changes),
+        "git_changes": changes[:40] + ([f"... and {len(changes) - 40} more"] if len(changes) > 40 else []),
     }
 
 

@@ -133,3 +133,23 @@ def test_logged_reads_back_one_steps_metrics(tmp_path):
     assert tracker.logged(1) == {"train/reward": 0.5, "eval/a/mean@2": 0.75, "eval/a/pass@2": 1.0}
     assert tracker.logged(2, "eval/") == {}
     assert Tracker(tmp_path, Config(), track=False, project="p", enabled=False).logged(0) == {}
+
+
+def test_git_state_names_what_was_not_committed(tmp_path):
+    """A record made from a dirty tree lists the uncommitted paths; a clean tree lists none."""
+    import subprocess
+
+    def git(*cmd):
+        subprocess.run(["git", *cmd], cwd=tmp_path, check=True, capture_output=True)
+
+    git("init", "-q")
+    (tmp_path / "a.py").write_text("x = 1\n")
+    git("add", "a.py")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "a")
+    clean = tracking.git_state(tmp_path)
+    assert clean["git_dirty"] is False and clean["git_changes"] == [] and len(clean["git_commit"]) == 40
+    (tmp_path / "a.py").write_text("x = 2\n")
+    (tmp_path / "new.txt").write_text("")
+    dirty = tracking.git_state(tmp_path)
+    assert dirty["git_dirty"] is True and dirty["git_commit"] == clean["git_commit"]
+    assert dirty["git_changes"] == [" M a.py", "?? new.txt"]
