@@ -5,11 +5,11 @@
     python benchmarks/run.py tiny --rerun         # run again even where results exist
     python benchmarks/run.py gpu-small --dry-run  # print the commands only
 
-A manifest's [[setup]] entries run first, once: a command that builds what the runs need (e.g. a warm-started
-model), skipped when the path it `creates` exists. Each run writes runs/<suite>/<label>__<seed>/ (the scripts'
-usual run folder) plus bench.json: the exact command, git commit, dirty flag and the uncommitted paths, threads,
-start/end time, wall-clock and exit code. A run whose bench.json records exit code 0 is skipped unless --rerun. Runs go in parallel
-(--jobs), each pinned to cores // jobs threads through OMP_NUM_THREADS so that parallel runs do not
+A manifest's [[setup]] entries run first, once: a command that builds what the runs need (e.g. a warm-started model),
+skipped when the path it `creates` exists. Each run writes runs/<suite>/<label>__<seed>/ (the scripts' usual run
+folder) plus bench.json: the exact command, git commit, dirty flag and the uncommitted paths, threads, start/end
+time, wall-clock and exit code. A run whose bench.json records exit code 0 is skipped unless --rerun. Runs go in
+parallel (--jobs), each pinned to cores // jobs threads through OMP_NUM_THREADS so that parallel runs do not
 oversubscribe the CPU.
 """
 
