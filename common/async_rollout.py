@@ -355,13 +355,16 @@ class LaggedRollouts:
         """``state_dict`` of an in-flight run, without waiting: for each batch ahead, each prompt's finished group
         (with its tokens' versions and log-probs, and the version its generation started at) or None for one still
         generating, which a resume submits again from its prompt at the resumed version; the request's settings
-        and per-prompt seeds. A batch whose request failed rewinds the cursor as in ``state_dict``."""
+        and per-prompt seeds. A batch whose request failed rewinds the cursor as in ``state_dict``, except one restored
+        from a checkpoint (its prompts were drawn before that checkpoint, so no cursor redraws them): it stays pending,
+        its unfinished groups submitted again on resume."""
         local = []
         for b in self.queue:
             if b.cursor >= self.books.cursor:
                 break
             req = b.request
             failed = req.future is not None and req.future.done() and req.future.exception() is not None
+            failed = failed and b.cursor >= 0  # a restored batch (cursor -1) is kept pending instead
             if req.args is None:  # finished, restored from a fixed-lag checkpoint: no settings needed
                 size = len(req.completions) // len(b.indices)
                 groups = [req.completions[i * size : (i + 1) * size] for i in range(len(b.indices))]

@@ -178,3 +178,42 @@ def test_streamed_tokens_are_tagged_with_the_version_current_when_they_arrive():
     untagged = {}
     _merge_event("r", chunk % (5, 6), untagged)
     assert "token_versions" not in untagged[0]  # the default (fixed-lag) path's choices are unchanged
+
+
+class FailingEngine(InFlightEngine):
+    """Every request fails, as when the servers died after a resume."""
+
+    def sample_local(self, *args, **kwargs):
+        raise RuntimeError("server gone")
+
+
+def test_a_restored_batch_whose_resubmission_fails_stays_pending_and_the_cursor_rewinds_past_it():
+    """Resumed from the checkpoint of the test above, on servers that then fail: batch 2 (restored, prompt 4's group
+    resubmitted) fails, and so does batch 3, the first the resumed run drew. The next checkpoint keeps batch 2 as it
+    was (prompt 5's finished group, prompt 4's still to generate) and rewinds the cursor to batch 3's prompts; it
+    must not rewind to the restored batch's placeholder cursor (-1), which would draw the data from the start."""
+    books, engine = Books(), InFlightEngine()
+    rollouts = schedule(books, engine)
+    step_log(rollouts, 0)
+    deadline = time.time() + 10
+    while rollouts.queue[1].request.groups[1] is None:
+        assert time.time() < deadline
+        time.sleep(0.01)
+    saved = rollouts.state_dict()
+    engine.update_weights_in_flight(None, 2)
+
+    resumed_books = Books()
+    resumed_books.cursor = books.cursor
+    resumed = schedule(resumed_books, FailingEngine(token_version=1))
+    resumed.load_state_dict(saved)
+    resumed.take(1)  # batch 1 was finished; batch 2's prompt 4 and the new batch 3 are submitted, and fail
+    deadline = time.time() + 10
+    while not all(b.request.future.done() for b in resumed.queue):
+        assert time.time() < deadline
+        time.sleep(0.01)
+    again = resumed.state_dict()
+    assert again["cursor"] == books.cursor  # batch 3's prompts, drawn first by the resumed run
+    assert [b["step"] for b in again["batches"]] == [2]
+    kept = again["batches"][0]
+    assert kept["groups"][0] is None and kept["groups"][1] == saved["batches"][1]["groups"][1]
+    assert kept["indices"] == [4, 5] and kept["group_versions"] == [1, 0]
