@@ -188,19 +188,21 @@ class LaggedRollouts:
         self.queue.pop(0)
         self.prompt_indices = batch.indices  # the prompts this step trains on
         self.stats = self.lag_stats(step, completions)
-        if self.in_flight:
-            self.stats |= self.token_lag_stats(step, completions)
         if self.tools.format != "none":  # the loop's metrics of the samples this step trains on
             self.stats |= tool_metrics([c.tool_stats or ToolStats() for c in completions])
         self.stats["time/rollout_wait_s"] = time.time() - t0  # the trainer idle, waiting for this batch (all if sync)
         self.train_start, self.taken = time.time(), batch.request
         return batch.problems, batch.prompt_ids, completions
 
-    @staticmethod
-    def lag_stats(step: int, completions: list[Completion]) -> dict[str, float]:
-        """``train/lag`` (mean) and ``train/lag_max`` of the samples step ``step`` trains on (this process's)."""
+    def lag_stats(self, step: int, completions: list[Completion]) -> dict[str, float]:
+        """``train/lag`` (mean) and ``train/lag_max`` of the samples step ``step`` trains on (this process's), and in
+        flight their ``train/token_lag_*`` (``token_lag_stats``). A script that trains on other samples than ``take``
+        returned (dapo's kept groups and refills) logs these of its own."""
         lags = [step - c.version for c in completions] or [0]
-        return {"train/lag": sum(lags) / len(lags), "train/lag_max": float(max(lags))}
+        stats = {"train/lag": sum(lags) / len(lags), "train/lag_max": float(max(lags))}
+        if self.in_flight:
+            stats |= self.token_lag_stats(step, completions)
+        return stats
 
     def update_weights(self, model: torch.nn.Module) -> None:
         """Wait for the generation in flight (weights never change under it), then push ``model`` as the next

@@ -217,3 +217,17 @@ def test_a_restored_batch_whose_resubmission_fails_stays_pending_and_the_cursor_
     kept = again["batches"][0]
     assert kept["groups"][0] is None and kept["groups"][1] == saved["batches"][1]["groups"][1]
     assert kept["indices"] == [4, 5] and kept["group_versions"] == [1, 0]
+
+
+def test_lag_stats_of_the_samples_a_script_keeps_include_their_token_lags():
+    """dapo logs the lags of the groups it keeps (``lag_stats`` on its own samples): in flight, the token lags come
+    with them. A sample started at version 1 with tokens at versions 1 and 3, and a refill sampled at version 3
+    (tokens at 3), trained at step 3: sample lags 2 and 0; token lags 2, 0, 0: min 0, max 2, mean 2/3."""
+    rollouts = schedule(Books(), InFlightEngine())
+    kept = Completion([1, 2], [-0.1, -0.2], "stop", token_versions=[1, 3])
+    refill = Completion([3], [-0.3], "stop", token_versions=[3])
+    kept.version, refill.version = 1, 3
+    stats = rollouts.lag_stats(3, [kept, refill])
+    assert (stats["train/lag"], stats["train/lag_max"]) == (1.0, 2.0)
+    assert (stats["train/token_lag_min"], stats["train/token_lag_max"]) == (0.0, 2.0)
+    assert stats["train/token_lag_mean"] == pytest.approx(2 / 3)
