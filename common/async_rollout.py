@@ -345,7 +345,12 @@ class LaggedRollouts:
         self.engine.update_weights_in_flight(model, self.version + 1)
         push_end = time.time()
         ends = [r.end for r in running if r.end] + [self.taken.end]
-        overlap = sum(max(0.0, min(r.end or train_end, train_end) - max(r.start, self.train_start)) for r in running)
+        # several requests generate at once: the time any of them ran during this step's training, counted once
+        spans = sorted((max(r.start, self.train_start), min(r.end or train_end, train_end)) for r in running)
+        overlap, covered_to = 0.0, self.train_start
+        for start, end in spans:
+            overlap += max(0.0, end - max(start, covered_to))
+            covered_to = max(covered_to, end)
         self.stats |= {
             "time/generation_overlap_s": overlap,
             # paused for the push while requests run; otherwise idle since the last generation ended

@@ -243,3 +243,22 @@ def test_lag_stats_of_the_samples_a_script_keeps_include_their_token_lags():
     assert (stats["train/lag"], stats["train/lag_max"]) == (1.0, 2.0)
     assert (stats["train/token_lag_min"], stats["train/token_lag_max"]) == (0.0, 2.0)
     assert stats["train/token_lag_mean"] == pytest.approx(2 / 3)
+
+
+def test_generation_overlap_counts_concurrent_requests_once():
+    """Training from t = 10 to 20; requests generating over [11, 15] and [12, 14], and one from 18 still running:
+    the servers generated during [11, 15] and [18, 20] of it, 6 s (a sum per request would give 4 + 2 + 2 = 8)."""
+    from concurrent.futures import Future
+
+    from common.async_rollout import Batch, Request
+
+    rollouts = schedule(Books(), InFlightEngine())
+    done, running = Future(), Future()
+    done.set_result([])
+    spans = [(11.0, 15.0, done), (12.0, 14.0, done), (18.0, 0.0, running)]
+    rollouts.queue = [
+        Batch(s, 0, [], [], [], Request(version=0, future=f, start=a, end=b)) for s, (a, b, f) in enumerate(spans)
+    ]
+    rollouts.train_start, rollouts.taken = 10.0, Request(version=0, start=8.0, end=9.0)
+    rollouts.push_in_flight(None, 20.0)
+    assert rollouts.stats["time/generation_overlap_s"] == pytest.approx(6.0)

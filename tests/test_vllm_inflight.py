@@ -131,8 +131,9 @@ def test_a_sigkill_mid_flight_resumes_with_the_checkpointed_samples_and_versions
     """grpo --rollout.in-flight --max-lag 3, SIGKILLed once step 2's checkpoint is written, with batches on the
     server. The checkpoint (after s = 2 steps, version s) holds batches s and s + 1 by prompt group, each finished
     group with its per-token versions (within [the version it started at, s]) and log-probs. --resume trains step
-    s + 1 on batch s: its logged samples are the checkpointed groups' first completions, and, when every group had
-    finished, its lag, token lags and response length are those computed here from the checkpoint."""
+    s + 1 on batch s: its logged samples are the checkpointed groups' first completions, its lags are those of the
+    checkpointed groups and of groups started again at version s, and, when every group had finished, its token-lag
+    mean and response length are those computed here from the checkpoint."""
     cmd, env = grpo(tmp_path, server, "--total-steps", "6")
     process = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
     run_dir = tmp_path / "inflight"
@@ -164,11 +165,15 @@ def test_a_sigkill_mid_flight_resumes_with_the_checkpointed_samples_and_versions
     tokenizer = AutoTokenizer.from_pretrained(TINY)
     for i, group in finished:  # the resumed step trained on the checkpointed samples
         assert samples[i]["completion"] == tokenizer.decode(group[0][0], skip_special_tokens=True)
-    if len(finished) == 4:
-        completions = [c for _, g in finished for c in g]
-        lags = [s - v for c in completions for v in c[6]]
-        assert trained["train/lag"] == 2 and trained["train/lag_max"] == 2
-        assert (trained["train/token_lag_min"], trained["train/token_lag_max"]) == (min(lags), max(lags))
+    # the finished groups started at version s - 2 (lag 2); the others start again at the resumed version s and
+    # finish before step s + 1 trains, with no push in between: sample lag 0, every token at version s
+    completions = [c for _, g in finished for c in g]
+    lags = [s - v for c in completions for v in c[6]]
+    resubmitted = 4 - len(finished)
+    assert trained["train/lag"] == pytest.approx(2 * len(finished) / 4) and trained["train/lag_max"] == 2
+    assert trained["train/token_lag_max"] == max(lags)
+    assert trained["train/token_lag_min"] == (0 if resubmitted else min(lags))
+    if not resubmitted:  # the token mean and the length need every group's tokens, known only from the checkpoint
         assert trained["train/token_lag_mean"] == pytest.approx(sum(lags) / len(lags), abs=1e-5)  # reduced in float32
         lengths = [len(c[0]) for c in completions]
         assert trained["train/response_len"] == pytest.approx(sum(lengths) / len(lengths), abs=1e-4)
