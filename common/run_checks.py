@@ -21,7 +21,8 @@ def check_in_flight(args) -> None:
     if getattr(args.rollout, "in_flight", False) and getattr(args, "max_lag", 1) < 2:
         raise SystemExit(
             f"--rollout.in-flight needs --max-lag >= 2 (this run: {getattr(args, 'max_lag', 1)}): weight pushes land "
-            "while the batches sampled ahead of the trainer generate, and at --max-lag 1 there are none"
+            "while the batches sampled ahead of the trainer generate, and at --max-lag 1 there are none (prime.py "
+            "and maxrl.py sample synchronously only)"
         )
 
 

@@ -299,11 +299,13 @@ class VLLMServerEngine:
             )
             self.token_version = version  # every rank, before any server resumes (the check below is the barrier)
             self.all_ranks(self._check_served_version, "the weight push", after_update=True)
-        except SystemExit:
-            # the run stops, checkpointed by all_ranks: resume the servers that can, so that the streams still open
-            # end instead of waiting out --rollout.server-timeout-s in threads the interpreter joins at exit
-            with contextlib.suppress(Exception):
-                self._post_all("/resume")
+        except BaseException:
+            # the run stops (all_ranks has checkpointed it): resume every server that answers, each on its own with a
+            # short timeout, so that the streams still open end instead of waiting out --rollout.server-timeout-s in
+            # threads the interpreter joins at exit
+            for url in self.urls if self.rank == 0 else ():
+                with contextlib.suppress(Exception):
+                    http(url, "/resume", {}, min(self.timeout, 10.0))
             raise
         self.all_ranks(self._resume_servers, "the in-flight resume", after_update=True)
 

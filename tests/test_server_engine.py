@@ -368,11 +368,12 @@ def test_in_flight_rollouts_go_unseeded_and_evaluation_keeps_its_seed(stubs, tin
 
 
 def test_a_failed_in_flight_push_resumes_the_servers_before_the_run_stops(stubs, tiny):
-    """The servers were paused for the push when the transfer failed: the run stops, but resumes them first, so that
-    the streams still open end rather than wait out the request timeout in threads joined at exit."""
+    """The servers were paused for the push when the transfer to the second failed: the run stops, but resumes them
+    first, so that the streams still open end rather than wait out the request timeout in threads joined at exit;
+    each server on its own (the first refuses to resume, the second still is)."""
     eng = engine([s.url for s in stubs], tiny, in_flight=True)
     resumed = [s.calls["/resume"] for s in stubs]
-    stubs[1].broken = "/update_weights"
+    stubs[0].broken, stubs[1].broken = "/resume", "/update_weights"
     with pytest.raises(SystemExit, match="during the weight push"):
         eng.update_weights_in_flight(tiny[0], 1)
     assert [s.calls["/pause?mode=keep"] for s in stubs] == [1, 1]
