@@ -345,8 +345,9 @@ class LaggedRollouts:
         self.engine.update_weights_in_flight(model, self.version + 1)
         push_end = time.time()
         ends = [r.end for r in running if r.end] + [self.taken.end]
-        # several requests generate at once: the time any of them ran during this step's training, counted once
-        spans = sorted((max(r.start, self.train_start), min(r.end or train_end, train_end)) for r in running)
+        # several requests generate at once: the time any of them ran during this step's training, counted once (a
+        # request whose thread has not started yet has no start time)
+        spans = sorted((max(r.start, self.train_start), min(r.end or train_end, train_end)) for r in running if r.start)
         overlap, covered_to = 0.0, self.train_start
         for start, end in spans:
             overlap += max(0.0, end - max(start, covered_to))

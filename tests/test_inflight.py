@@ -246,8 +246,9 @@ def test_lag_stats_of_the_samples_a_script_keeps_include_their_token_lags():
 
 
 def test_generation_overlap_counts_concurrent_requests_once():
-    """Training from t = 10 to 20; requests generating over [11, 15] and [12, 14], and one from 18 still running:
-    the servers generated during [11, 15] and [18, 20] of it, 6 s (a sum per request would give 4 + 2 + 2 = 8)."""
+    """Training from t = 10 to 20; requests generating over [11, 15] and [12, 14], one from 18 still running, and one
+    queued behind them: the servers generated during [11, 15] and [18, 20] of it, 6 s (a sum per request would give
+    4 + 2 + 2 = 8, and counting the queued one as started, 10)."""
     from concurrent.futures import Future
 
     from common.async_rollout import Batch, Request
@@ -255,7 +256,8 @@ def test_generation_overlap_counts_concurrent_requests_once():
     rollouts = schedule(Books(), InFlightEngine())
     done, running = Future(), Future()
     done.set_result([])
-    spans = [(11.0, 15.0, done), (12.0, 14.0, done), (18.0, 0.0, running)]
+    queued = Future()  # its thread has not started: no start time yet
+    spans = [(11.0, 15.0, done), (12.0, 14.0, done), (18.0, 0.0, running), (0.0, 0.0, queued)]
     rollouts.queue = [
         Batch(s, 0, [], [], [], Request(version=0, future=f, start=a, end=b)) for s, (a, b, f) in enumerate(spans)
     ]
