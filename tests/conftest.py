@@ -3,7 +3,6 @@
 import importlib.util
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -67,9 +66,8 @@ def sigkill_when(process: subprocess.Popen, ready, timeout: float = 300, poll_s:
         while not ready():
             assert process.poll() is None and time.time() < deadline, process.stderr.read()[-3000:]
             time.sleep(poll_s)
-        process.send_signal(signal.SIGKILL)
     finally:
-        process.kill()
+        process.kill()  # SIGKILL
         process.wait()
 
 

@@ -110,6 +110,21 @@ def step_log(rollouts, step, first_step=0):
     return row
 
 
+def checkpoint_after_step_0():
+    """``(books, checkpoint)`` of a k = 3 run after step 0's push, once prompt 5's group of batch 2 has finished
+    (prompt 4's waits for version 2); the abandoned run's waiting sample is then let end."""
+    books, engine = Books(), InFlightEngine()
+    rollouts = schedule(books, engine)
+    step_log(rollouts, 0)
+    deadline = time.time() + 10
+    while rollouts.queue[1].request.groups[1] is None:  # prompt 5's group finishes on its thread after the push
+        assert time.time() < deadline
+        time.sleep(0.01)
+    saved = rollouts.state_dict()
+    engine.update_weights_in_flight(None, 2)
+    return books, saved
+
+
 def test_pushes_do_not_wait_and_every_token_keeps_its_version():
     """k = 3. Batch 2 (prompts 4 and 5, requested from version 0 at step 0's top) spans two pushes: prompt 4's samples
     take tokens at versions 0 and 2, prompt 5's at 0 and 1. By hand, with lag = step - version:
@@ -134,15 +149,7 @@ def test_a_checkpoint_keeps_finished_groups_and_resubmits_the_ones_in_flight():
     their per-token versions and log-probs, and None for prompt 4's; a resume (version 1) submits prompt 4 again
     from its prompt, now starting at version 1: at step 2 its samples are [1, 2] (lag 1), prompt 5's the kept
     [0, 1] (lag 2): train/lag 1.5, token lags (1, 0, 1, 0, 2, 1, 2, 1): min 0, max 2, mean 1."""
-    books, engine = Books(), InFlightEngine()
-    rollouts = schedule(books, engine)
-    step_log(rollouts, 0)
-    deadline = time.time() + 10
-    while rollouts.queue[1].request.groups[1] is None:  # prompt 5's group finishes on its thread after the push
-        assert time.time() < deadline
-        time.sleep(0.01)
-    saved = rollouts.state_dict()
-    engine.update_weights_in_flight(None, 2)  # let the abandoned run's waiting sample end
+    books, saved = checkpoint_after_step_0()
     assert [(b["step"], b["version"]) for b in saved["batches"]] == [(1, 0), (2, 0)] and saved["cursor"] is None
     first, second = saved["batches"]
     assert first["groups"] == [[([0, 0], [-0.25, -0.5], "stop", None, None, False, [0, 0])] * 2] * 2
@@ -204,15 +211,7 @@ def test_a_restored_batch_whose_resubmission_fails_stays_pending_and_the_cursor_
     resubmitted) fails, and so does batch 3, the first the resumed run drew. The next checkpoint keeps batch 2 as it
     was (prompt 5's finished group, prompt 4's still to generate) and rewinds the cursor to batch 3's prompts; it
     must not rewind to the restored batch's placeholder cursor (-1), which would draw the data from the start."""
-    books, engine = Books(), InFlightEngine()
-    rollouts = schedule(books, engine)
-    step_log(rollouts, 0)
-    deadline = time.time() + 10
-    while rollouts.queue[1].request.groups[1] is None:
-        assert time.time() < deadline
-        time.sleep(0.01)
-    saved = rollouts.state_dict()
-    engine.update_weights_in_flight(None, 2)
+    books, saved = checkpoint_after_step_0()
 
     resumed_books = Books()
     resumed_books.cursor = books.cursor
